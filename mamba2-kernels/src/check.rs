@@ -1,0 +1,223 @@
+//! Input validation shared by the ops: every bad input becomes an error that names the op, the
+//! tensor and the problem (rank, dimension, dtype, device, contiguity).
+
+use candle_core::{bail, DType, Result, Tensor};
+
+/// The dimensions of an SSD problem, read off `x [B,L,H,P]` and `b [B,L,G,N]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SsdDims {
+    pub batch: usize,
+    pub seqlen: usize,
+    pub nheads: usize,
+    pub headdim: usize,
+    pub ngroups: usize,
+    pub dstate: usize,
+}
+
+impl SsdDims {
+    /// Reads the dimensions from `x` and `b` and checks that `ngroups` divides `nheads`.
+    pub fn from_x_b(op: &str, x: &Tensor, b: &Tensor) -> Result<Self> {
+        let [batch, seqlen, nheads, headdim] = rank::<4>(op, "x", x, "[B, L, H, P]")?;
+        let [bb, bl, ngroups, dstate] = rank::<4>(op, "b", b, "[B, L, G, N]")?;
+        if bb != batch || bl != seqlen {
+            bail!(
+                "{op}: b has shape {:?} but x has batch {batch} and length {seqlen} (x is {:?})",
+                b.dims(),
+                x.dims()
+            )
+        }
+        let dims = Self {
+            batch,
+            seqlen,
+            nheads,
+            headdim,
+            ngroups,
+            dstate,
+        };
+        dims.check_groups(op)?;
+        Ok(dims)
+    }
+
+    /// Like [`SsdDims::from_x_b`], and checks dtypes (x float, b like x) and devices.
+    pub fn values(op: &str, x: &Tensor, b: &Tensor) -> Result<Self> {
+        let dims = Self::from_x_b(op, x, b)?;
+        float(op, "x", x)?;
+        device(op, "b", b, x)?;
+        same_dtype(op, "b", b, x)?;
+        Ok(dims)
+    }
+
+    /// Checks a per-token f32 tensor of stage 1's layout `[B,H,L]` (dt_out, da_cumsum).
+    pub fn per_token(&self, op: &str, name: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+        device(op, name, t, x)?;
+        shape(
+            op,
+            name,
+            t,
+            &[self.batch, self.nheads, self.seqlen],
+            "[B, H, L]",
+        )?;
+        dtype(op, name, t, DType::F32)
+    }
+
+    /// Checks a tensor shaped like `b`: `[B,L,G,N]` with x's dtype (the tensor c).
+    pub fn like_b(&self, op: &str, name: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+        device(op, name, t, x)?;
+        let want = [self.batch, self.seqlen, self.ngroups, self.dstate];
+        shape(op, name, t, &want, "[B, L, G, N]")?;
+        same_dtype(op, name, t, x)
+    }
+
+    /// Checks a tensor shaped like `x`: `[B,L,H,P]` with x's dtype (the gate z).
+    pub fn like_x(&self, op: &str, name: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+        device(op, name, t, x)?;
+        let want = [self.batch, self.seqlen, self.nheads, self.headdim];
+        shape(op, name, t, &want, "[B, L, H, P]")?;
+        same_dtype(op, name, t, x)
+    }
+
+    /// Checks a state `[B,H,P,N]` (f32 or bf16).
+    pub fn state(&self, op: &str, name: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+        device(op, name, t, x)?;
+        let want = [self.batch, self.nheads, self.headdim, self.dstate];
+        shape(op, name, t, &want, "[B, H, P, N]")?;
+        state_dtype(op, name, t.dtype())
+    }
+
+    pub fn check_groups(&self, op: &str) -> Result<()> {
+        if self.ngroups == 0 || self.nheads % self.ngroups != 0 {
+            bail!(
+                "{op}: nheads ({}) is not divisible by ngroups ({})",
+                self.nheads,
+                self.ngroups
+            )
+        }
+        if self.nheads == 0 || self.headdim == 0 || self.dstate == 0 || self.batch == 0 {
+            bail!("{op}: empty dimension in {self:?}")
+        }
+        Ok(())
+    }
+
+    pub fn heads_per_group(&self) -> usize {
+        self.nheads / self.ngroups
+    }
+
+    pub fn nchunks(&self, chunk_size: usize) -> usize {
+        self.seqlen.div_ceil(chunk_size)
+    }
+}
+
+/// The dims of `t`, which must have rank `R`; `doc` names the expected layout.
+pub(crate) fn rank<const R: usize>(
+    op: &str,
+    name: &str,
+    t: &Tensor,
+    doc: &str,
+) -> Result<[usize; R]> {
+    match <[usize; R]>::try_from(t.dims()) {
+        Ok(dims) => Ok(dims),
+        Err(_) => bail!(
+            "{op}: {name} must have rank {R} {doc}, got shape {:?}",
+            t.dims()
+        ),
+    }
+}
+
+/// Checks that `t` has exactly the shape `expected`; `doc` names the layout.
+pub(crate) fn shape(op: &str, name: &str, t: &Tensor, expected: &[usize], doc: &str) -> Result<()> {
+    if t.dims() != expected {
+        bail!(
+            "{op}: {name} must have shape {doc} = {expected:?}, got {:?}",
+            t.dims()
+        )
+    }
+    Ok(())
+}
+
+/// Checks that `t` lives on the device of `anchor`, the op's first input.
+pub(crate) fn device(op: &str, name: &str, t: &Tensor, anchor: &Tensor) -> Result<()> {
+    if !t.device().same_device(anchor.device()) {
+        bail!(
+            "{op}: {name} is on {:?} but the other inputs are on {:?}; all inputs must be on one device",
+            t.device().location(),
+            anchor.device().location()
+        )
+    }
+    Ok(())
+}
+
+/// Checks that `t` has the value dtype of `x`.
+pub(crate) fn same_dtype(op: &str, name: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+    if t.dtype() != x.dtype() {
+        bail!(
+            "{op}: {name} must have the dtype of x ({:?}), got {:?}",
+            x.dtype(),
+            t.dtype()
+        )
+    }
+    Ok(())
+}
+
+/// Checks that `t` has one of the value dtypes the kernels read: f32, f16 or bf16.
+pub(crate) fn float(op: &str, name: &str, t: &Tensor) -> Result<()> {
+    match t.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(()),
+        dt => bail!("{op}: {name} must be f32, f16 or bf16, got {dt:?}"),
+    }
+}
+
+/// Checks that `t` has exactly the dtype `want`.
+pub(crate) fn dtype(op: &str, name: &str, t: &Tensor, want: DType) -> Result<()> {
+    if t.dtype() != want {
+        bail!("{op}: {name} must be {want:?}, got {:?}", t.dtype())
+    }
+    Ok(())
+}
+
+/// Checks a state dtype: the chunk states and the decode state are f32 or bf16.
+pub(crate) fn state_dtype(op: &str, name: &str, dt: DType) -> Result<()> {
+    match dt {
+        DType::F32 | DType::BF16 => Ok(()),
+        dt => bail!("{op}: {name} must be f32 or bf16, got {dt:?}"),
+    }
+}
+
+/// Checks that `chunk_size` is a power of two of at least 16.
+pub(crate) fn chunk_size(op: &str, chunk_size: usize) -> Result<()> {
+    if chunk_size < 16 || !chunk_size.is_power_of_two() {
+        bail!("{op}: chunk_size must be a power of two >= 16, got {chunk_size}")
+    }
+    Ok(())
+}
+
+/// Checks the per-head parameter `a [H]`: f32, on the device of `x`.
+pub(crate) fn head_param(
+    op: &str,
+    name: &str,
+    t: &Tensor,
+    x: &Tensor,
+    nheads: usize,
+) -> Result<()> {
+    device(op, name, t, x)?;
+    shape(op, name, t, &[nheads], "[H]")?;
+    dtype(op, name, t, DType::F32)
+}
+
+/// Checks `D`: f32, `[H]` (per head) or `[H, P]` (per channel).
+pub(crate) fn skip_param(
+    op: &str,
+    d: &Tensor,
+    x: &Tensor,
+    nheads: usize,
+    headdim: usize,
+) -> Result<()> {
+    device(op, "D", d, x)?;
+    dtype(op, "D", d, DType::F32)?;
+    if d.dims() != [nheads] && d.dims() != [nheads, headdim] {
+        bail!(
+            "{op}: D must have shape [H] = [{nheads}] or [H, P] = [{nheads}, {headdim}], got {:?}",
+            d.dims()
+        )
+    }
+    Ok(())
+}

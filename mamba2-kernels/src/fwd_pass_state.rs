@@ -1,0 +1,157 @@
+//! Stage 2 of the SSD: the state entering every chunk, by the jump formula.
+//!
+//! With `d` = da_cumsum (log2 space) and `d_last` its value at a chunk's last token:
+//!
+//! ```text
+//! h_{c+1} = exp2(d_last)·h_c + Σ_{s in chunk c} exp2(d_last − d_s)·dt_s · x_s B_sᵀ
+//! ```
+//!
+//! Inputs `x [B,L,H,P]`, `b [B,L,G,N]`, `dt_out` and `da_cumsum` `[B,H,L]` f32 (stage 1),
+//! optional `init_state [B,H,P,N]`. Output `states [B,H,C+1,P,N]`: entry `c` enters chunk `c`,
+//! entry `C` is the final state; stored in f32 or bf16, carried in f32.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::check::{self, SsdDims};
+use crate::cpu::{self, MatMut, MatRef};
+
+/// The `fwd_pass_state` op on `(x, b, dt_out)`; `da_cumsum` and the initial state are held here.
+#[derive(Clone, Debug)]
+pub(crate) struct FwdPassState {
+    pub da_cumsum: Tensor,
+    pub init_state: Option<Tensor>,
+    pub dims: SsdDims,
+    pub chunk_size: usize,
+    pub state_dtype: DType,
+}
+
+impl CustomOp3 for FwdPassState {
+    fn name(&self) -> &'static str {
+        "fwd_pass_state"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        b_s: &CpuStorage,
+        b_l: &Layout,
+        dt_s: &CpuStorage,
+        dt_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let SsdDims {
+            batch,
+            seqlen,
+            nheads,
+            headdim,
+            ngroups,
+            dstate,
+        } = self.dims;
+        let (t, hpg) = (self.chunk_size, self.dims.heads_per_group());
+        let nchunks = self.dims.nchunks(t);
+        let pn = headdim * dstate;
+        let x = cpu::f32_view(op, "x", x_s, x_l)?;
+        let b = cpu::f32_view(op, "b", b_s, b_l)?;
+        let dt = cpu::f32_view(op, "dt_out", dt_s, dt_l)?;
+        let (da_g, da_l) = self.da_cumsum.storage_and_layout();
+        let da = cpu::f32_view(op, "da_cumsum", cpu::cpu(op, "da_cumsum", &da_g)?, da_l)?;
+        let init_guard = self.init_state.as_ref().map(|s| s.storage_and_layout());
+        let init = match &init_guard {
+            Some((g, l)) => Some(cpu::f32_view(
+                op,
+                "init_state",
+                cpu::cpu(op, "init_state", g)?,
+                l,
+            )?),
+            None => None,
+        };
+
+        let mut states = vec![0f32; batch * nheads * (nchunks + 1) * pn];
+        states
+            .par_chunks_mut((nchunks + 1) * pn)
+            .enumerate()
+            .for_each(|(bh, st)| {
+                let (bi, h) = (bh / nheads, bh % nheads);
+                let g = h / hpg;
+                if let Some(init) = &init {
+                    st[..pn].copy_from_slice(&init[bh * pn..(bh + 1) * pn]);
+                }
+                let mut w = vec![0f32; t * dstate];
+                for c in 0..nchunks {
+                    let l0 = c * t;
+                    let tc = t.min(seqlen - l0);
+                    let row = (bi * nheads + h) * seqlen + l0;
+                    let (d, dtv) = (&da[row..row + tc], &dt[row..row + tc]);
+                    let d_last = d[tc - 1];
+                    for s in 0..tc {
+                        let scale = (d_last - d[s]).exp2() * dtv[s];
+                        let bs = ((bi * seqlen + l0 + s) * ngroups + g) * dstate;
+                        for (wv, bv) in w[s * dstate..(s + 1) * dstate].iter_mut().zip(&b[bs..]) {
+                            *wv = bv * scale;
+                        }
+                    }
+                    let (prev, next) = st[c * pn..(c + 2) * pn].split_at_mut(pn);
+                    next.copy_from_slice(prev);
+                    let x0 = ((bi * seqlen + l0) * nheads + h) * headdim;
+                    cpu::gemm(
+                        (headdim, dstate, tc),
+                        MatMut {
+                            data: next,
+                            rs: dstate,
+                            cs: 1,
+                        },
+                        MatRef {
+                            data: &x[x0..],
+                            rs: 1,
+                            cs: nheads * headdim,
+                        },
+                        MatRef {
+                            data: &w,
+                            rs: dstate,
+                            cs: 1,
+                        },
+                        Some(d_last.exp2()),
+                    );
+                }
+            });
+        let shape = Shape::from((batch, nheads, nchunks + 1, headdim, dstate));
+        Ok((cpu::from_f32(states, self.state_dtype)?, shape))
+    }
+}
+
+/// The chunk-entry states `[B,H,C+1,P,N]` in `state_dtype` (f32 or bf16).
+///
+/// `dt_out` and `da_cumsum` come from [`crate::chunk_cumsum`] with the same `chunk_size`;
+/// `init_state [B,H,P,N]` (f32 or bf16) is the state before the first token (zeros if `None`).
+pub fn fwd_pass_state(
+    x: &Tensor,
+    b: &Tensor,
+    dt_out: &Tensor,
+    da_cumsum: &Tensor,
+    init_state: Option<&Tensor>,
+    chunk_size: usize,
+    state_dtype: DType,
+) -> Result<Tensor> {
+    let op = "fwd_pass_state";
+    let dims = SsdDims::values(op, x, b)?;
+    dims.per_token(op, "dt_out", dt_out, x)?;
+    dims.per_token(op, "da_cumsum", da_cumsum, x)?;
+    if let Some(s) = init_state {
+        dims.state(op, "init_state", s, x)?;
+    }
+    check::chunk_size(op, chunk_size)?;
+    check::state_dtype(op, "state_dtype", state_dtype)?;
+    let stage = FwdPassState {
+        da_cumsum: da_cumsum.contiguous()?,
+        init_state: init_state
+            .map(|s| s.to_dtype(state_dtype)?.contiguous())
+            .transpose()?,
+        dims,
+        chunk_size,
+        state_dtype,
+    };
+    x.contiguous()?
+        .apply_op3_no_bwd(&b.contiguous()?, &dt_out.contiguous()?, &stage)
+}

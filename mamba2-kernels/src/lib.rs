@@ -1,0 +1,35 @@
+//! The Mamba-2 SSD (state-space duality) as candle custom ops.
+//!
+//! Recurrence, per batch `b` and head `h` (state `h_t ∈ R^{P×N}`):
+//!
+//! ```text
+//! h_t = exp(a·dt_t)·h_{t-1} + dt_t · x_t B_tᵀ        y_t = h_t C_t + D·x_t   (· silu(z_t))
+//! ```
+//!
+//! Prefill runs the chunked (SSD) form in three stages, each a candle `CustomOp`:
+//! [`chunk_cumsum`] (dt processing and per-chunk cumulative sums of `a·dt`, in log2 space),
+//! [`fwd_pass_state`] (the state entering every chunk, by the jump formula) and
+//! [`compute_out`] (the three terms of the output, fused); [`ssd`] runs the three in order.
+//! Decoding one token is [`ssd_step`], which updates the state in place.
+//!
+//! Layouts: `x [B,L,H,P]`, `dt [B,L,H]`, `a [H]` (f32), `b, c [B,L,G,N]` (head `h` reads group
+//! `h / (H/G)`), `z [B,L,H,P]`, `D [H]` or `[H,P]`, states `[B,H,P,N]`, chunk states
+//! `[B,H,C+1,P,N]`. Values are f32, f16 or bf16; arithmetic accumulates in f32.
+//! [`reference`] holds the sequential f64 recurrence that every implementation is tested against.
+
+mod check;
+mod chunk_cumsum;
+mod compute_out;
+mod cpu;
+mod dt;
+mod fwd_pass_state;
+pub mod reference;
+mod ssd;
+mod ssd_step;
+
+pub use chunk_cumsum::chunk_cumsum;
+pub use compute_out::compute_out;
+pub use dt::DtOptions;
+pub use fwd_pass_state::fwd_pass_state;
+pub use ssd::{ssd, SsdOptions};
+pub use ssd_step::{ssd_step, StepOptions};

@@ -1,0 +1,90 @@
+//! The chunked SSD forward: [`chunk_cumsum`] → [`fwd_pass_state`] → [`compute_out`], the
+//! equivalent of mamba_ssm's `mamba_chunk_scan_combined` with `return_final_states`.
+
+use candle_core::{DType, IndexOp, Result, Tensor};
+
+use crate::check::{self, SsdDims};
+use crate::{chunk_cumsum, compute_out, fwd_pass_state, DtOptions};
+
+/// Options of [`ssd`]; `Default` is chunk 256, f32 states and mamba_ssm's defaults.
+#[derive(Clone, Copy, Debug)]
+pub struct SsdOptions<'a> {
+    /// Tokens per chunk: a power of two ≥ 16.
+    pub chunk_size: usize,
+    /// How raw dt becomes the step size (bias, softplus, limit).
+    pub dt: DtOptions<'a>,
+    /// Skip term `D`, `[H]` or `[H,P]` f32.
+    pub d: Option<&'a Tensor>,
+    /// Gate `z [B,L,H,P]`: the output is `y·silu(z)`.
+    pub z: Option<&'a Tensor>,
+    /// State before the first token, `[B,H,P,N]` f32 or bf16 (zeros if `None`).
+    pub initial_state: Option<&'a Tensor>,
+    /// dtype of the chunk states and of the returned final state: f32 or bf16.
+    pub state_dtype: DType,
+}
+
+impl Default for SsdOptions<'_> {
+    fn default() -> Self {
+        Self {
+            chunk_size: 256,
+            dt: DtOptions::default(),
+            d: None,
+            z: None,
+            initial_state: None,
+            state_dtype: DType::F32,
+        }
+    }
+}
+
+/// Runs the SSD over `x [B,L,H,P]` with `dt [B,L,H]`, `a [H]` f32, `b, c [B,L,G,N]`.
+///
+/// Returns `(y [B,L,H,P] in x's dtype, final_state [B,H,P,N] in opts.state_dtype)`.
+pub fn ssd(
+    x: &Tensor,
+    dt: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: &SsdOptions,
+) -> Result<(Tensor, Tensor)> {
+    let op = "ssd";
+    let dims = SsdDims::values(op, x, b)?;
+    check::device(op, "dt", dt, x)?;
+    check::float(op, "dt", dt)?;
+    check::shape(
+        op,
+        "dt",
+        dt,
+        &[dims.batch, dims.seqlen, dims.nheads],
+        "[B, L, H]",
+    )?;
+    check::head_param(op, "a", a, x, dims.nheads)?;
+    dims.like_b(op, "c", c, x)?;
+    opts.dt.check(op, x, dims.nheads)?;
+    check::chunk_size(op, opts.chunk_size)?;
+    check::state_dtype(op, "state_dtype", opts.state_dtype)?;
+    if let Some(d) = opts.d {
+        check::skip_param(op, d, x, dims.nheads, dims.headdim)?;
+    }
+    if let Some(z) = opts.z {
+        dims.like_x(op, "z", z, x)?;
+    }
+    if let Some(s) = opts.initial_state {
+        dims.state(op, "initial_state", s, x)?;
+    }
+    let (x, b, c) = (&x.contiguous()?, &b.contiguous()?, &c.contiguous()?);
+    let chunk = opts.chunk_size;
+    let (dt_out, da_cumsum) = chunk_cumsum(dt, a, &opts.dt, chunk)?;
+    let states = fwd_pass_state(
+        x,
+        b,
+        &dt_out,
+        &da_cumsum,
+        opts.initial_state,
+        chunk,
+        opts.state_dtype,
+    )?;
+    let y = compute_out(x, b, c, &dt_out, &da_cumsum, &states, opts.d, opts.z, chunk)?;
+    let final_state = states.i((.., .., dims.nchunks(chunk)))?.contiguous()?;
+    Ok((y, final_state))
+}

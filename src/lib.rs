@@ -1,0 +1,1 @@
+pub use mamba2_kernels as kernels;
