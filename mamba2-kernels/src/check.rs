@@ -221,3 +221,23 @@ pub(crate) fn skip_param(
     }
     Ok(())
 }
+
+/// The size of the last (channel) dimension of `t`, which must have rank ≥ 1 and no empty
+/// dimension.
+pub(crate) fn last_dim(op: &str, name: &str, t: &Tensor) -> Result<usize> {
+    match t.dims().last() {
+        Some(&d) if t.elem_count() > 0 => Ok(d),
+        _ => bail!(
+            "{op}: {name} must have rank >= 1 [..., D] and no empty dimension, got shape {:?}",
+            t.dims()
+        ),
+    }
+}
+
+/// Checks a norm epsilon: finite and non-negative.
+pub(crate) fn eps(op: &str, eps: f64) -> Result<()> {
+    if !eps.is_finite() || eps < 0.0 {
+        bail!("{op}: eps must be finite and >= 0, got {eps}")
+    }
+    Ok(())
+}

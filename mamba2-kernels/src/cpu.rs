@@ -1,5 +1,6 @@
 //! CPU helpers: contiguous f32 views of candle storage, conversion of f32 results back to the
-//! requested dtype, and a strided single-threaded f32 GEMM (the `gemm` crate) for the chunk terms.
+//! requested dtype, in-place f32 updates of any float storage, the RMSNorm of a row, and a strided
+//! single-threaded f32 GEMM (the `gemm` crate) for the chunk terms.
 
 use std::borrow::Cow;
 
@@ -49,6 +50,52 @@ pub(crate) fn from_f32(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
         DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
         dt => bail!("unsupported output dtype {dt:?}"),
     })
+}
+
+/// Runs `f` on the contiguous elements of `s` under layout `l` as f32, in place: f32 storage is
+/// handed over directly, f16 and bf16 are converted to f32 and rounded back after `f`.
+pub(crate) fn update_f32(
+    op: &str,
+    name: &str,
+    s: &mut CpuStorage,
+    l: &Layout,
+    f: impl FnOnce(&mut [f32]),
+) -> Result<()> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        bail!("{op}: {name} must be contiguous to be updated in place")
+    };
+    match s {
+        CpuStorage::F32(v) => f(&mut v[start..end]),
+        CpuStorage::F16(v) => {
+            let mut buf: Vec<f32> = v[start..end].iter().map(|x| x.to_f32()).collect();
+            f(&mut buf);
+            for (d, x) in v[start..end].iter_mut().zip(buf) {
+                *d = f16::from_f32(x);
+            }
+        }
+        CpuStorage::BF16(v) => {
+            let mut buf: Vec<f32> = v[start..end].iter().map(|x| x.to_f32()).collect();
+            f(&mut buf);
+            for (d, x) in v[start..end].iter_mut().zip(buf) {
+                *d = bf16::from_f32(x);
+            }
+        }
+        other => bail!(
+            "{op}: {name} must be f32, f16 or bf16, got {:?}",
+            other.dtype()
+        ),
+    }
+    Ok(())
+}
+
+/// `out = v / rms(v) · w` with `rms(v) = sqrt(mean(v²) + eps)`, the RMSNorm of one row or group.
+#[inline]
+pub(crate) fn rms_normalize(v: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let mean_sq = v.iter().map(|a| a * a).sum::<f32>() / v.len() as f32;
+    let rstd = 1.0 / (mean_sq + eps).sqrt();
+    for ((o, a), wv) in out.iter_mut().zip(v).zip(w) {
+        *o = a * rstd * wv;
+    }
 }
 
 /// A read-only strided matrix inside a slice: element (i, j) is `data[i·rs + j·cs]`.

@@ -1,1 +1,28 @@
-//! placeholder
+//! The Mamba-2 language model on the `mamba2-kernels` ops: configuration ([`Config`], both
+//! `config.json` formats), checkpoint loading ([`Checkpoint`]: safetensors, sharded or not, and
+//! PyTorch pickles), the model ([`Model`]: prefill in bounded pieces and one-token decode over a
+//! [`Cache`]) and text generation ([`Generator`], with [`Sampler`] and the UTF-8-safe
+//! [`TextStream`]); [`hub`] downloads model directories from the Hugging Face Hub.
+
+mod cache;
+mod checkpoint;
+mod config;
+mod generator;
+#[cfg(feature = "hub")]
+pub mod hub;
+mod mixer;
+mod model;
+mod sampler;
+mod text_stream;
+mod tokenizer;
+
+pub use cache::{Cache, LayerState};
+pub use checkpoint::{Checkpoint, PYTORCH_BIN, SAFETENSORS, SHARD_INDEX};
+pub use config::{Config, ConfigFormat};
+pub use generator::{eos_token_ids, Generation, GenerationConfig, Generator, StopReason};
+pub use mixer::Mixer;
+pub use model::{Model, DEFAULT_PREFILL_PIECE_LEN};
+pub use sampler::{Sampler, SamplingParams};
+pub use text_stream::TextStream;
+pub use tokenizer::{byte_tokenizer, id_tokenizer, load_tokenizer, BYTE_VOCAB};
+pub use tokenizers::Tokenizer;

@@ -4,6 +4,8 @@
 use candle_core::{DType, Device, Result, Tensor};
 use mamba2::kernels::{DtOptions, SsdOptions, StepOptions};
 
+pub mod fixture;
+
 /// SplitMix64: a small seeded generator, so every failure can be replayed.
 pub struct Rng(u64);
 
@@ -174,6 +176,24 @@ impl Problem {
             d,
             z,
             init,
+        })
+    }
+
+    /// The same problem with every tensor moved to `dev`.
+    pub fn to_device(&self, dev: &Device) -> Result<Self> {
+        let mv = |t: &Tensor| t.to_device(dev);
+        let opt = |t: &Option<Tensor>| t.as_ref().map(mv).transpose();
+        Ok(Self {
+            spec: self.spec.clone(),
+            x: mv(&self.x)?,
+            dt: mv(&self.dt)?,
+            a: mv(&self.a)?,
+            b: mv(&self.b)?,
+            c: mv(&self.c)?,
+            dt_bias: opt(&self.dt_bias)?,
+            d: opt(&self.d)?,
+            z: opt(&self.z)?,
+            init: opt(&self.init)?,
         })
     }
 

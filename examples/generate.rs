@@ -1,0 +1,130 @@
+//! Streams text from a Mamba-2 model, then prints one stats line (prefill and decode tokens/s).
+//!
+//! ```sh
+//! cargo run --release --example generate -- --prompt "It was a dark and stormy night"
+//! cargo run --release --example generate -- --model-id state-spaces/mamba2-130m --prompt "Hi"
+//! cargo run --release --example generate -- --weights tests/fixtures/mamba2-130m-hf --prompt hello
+//! ```
+//!
+//! The tokenizer is `--tokenizer FILE`, else the model's `tokenizer.json` (for `--model-id`
+//! without one, `--tokenizer-id`'s). A directory without a tokenizer still runs: with a
+//! vocabulary of at least 256 tokens a text prompt goes through the byte-level stand-in (id =
+//! byte value; say so on stderr, as the output is only meaningful for a byte-level model), and
+//! `--prompt-ids 1,2,3` feeds ids directly and prints generated ids.
+
+mod common;
+
+use std::io::Write;
+
+use anyhow::{bail, Result};
+use clap::Parser;
+use mamba2::model::{
+    byte_tokenizer, eos_token_ids, id_tokenizer, GenerationConfig, Generator, SamplingParams,
+    BYTE_VOCAB,
+};
+
+#[derive(Parser, Debug)]
+#[command(about = "Generate text with a Mamba-2 model")]
+struct Args {
+    /// The prompt text
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// The prompt as token ids, e.g. 1,2,3 (for models without a tokenizer)
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    #[command(flatten)]
+    model: common::ModelArgs,
+    /// Softmax temperature; 0 decodes greedily
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the k most likely tokens only
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample among the most likely tokens of total probability p (1 disables)
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f64,
+    /// Penalty for tokens among the last --repeat-last-n (1 disables)
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Stop when the output contains this string (repeatable)
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Do not stop at the end-of-sequence token
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let loaded = args.model.load()?;
+    let model = &loaded.model;
+    let vocab = model.config().vocab_size;
+    let tokenizer = match (loaded.tokenizer, &args.prompt_ids) {
+        (Some(t), _) => t,
+        (None, Some(_)) => {
+            eprintln!("note: no tokenizer: generated tokens are printed as ids");
+            id_tokenizer(vocab)?
+        }
+        (None, None) if vocab >= BYTE_VOCAB => {
+            eprintln!(
+                "note: {} has no tokenizer.json and no --tokenizer was given: using the \
+                 byte-level stand-in (token id = byte value); output is only text for a \
+                 byte-level model",
+                loaded.dir.display()
+            );
+            byte_tokenizer()?
+        }
+        (None, None) => bail!(
+            "{} has no tokenizer.json and its vocabulary ({vocab} tokens) is too small for the \
+             byte-level stand-in (256): pass --tokenizer FILE, or the prompt as ids with \
+             --prompt-ids 1,2,3",
+            loaded.dir.display()
+        ),
+    };
+    let eos = if args.ignore_eos {
+        Vec::new()
+    } else {
+        eos_token_ids(model.config(), &tokenizer)
+    };
+    let config = GenerationConfig {
+        max_new_tokens: args.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: (args.top_p < 1.0).then_some(args.top_p),
+            repetition_penalty: args.repetition_penalty,
+            repeat_last_n: args.repeat_last_n,
+            seed: args.seed,
+        },
+        stop_strings: args.stop.clone(),
+        eos_token_ids: eos,
+    };
+    let generator = Generator::new(model, &tokenizer, config)?;
+    let mut stdout = std::io::stdout();
+    let mut print = |text: &str| -> candle_core::Result<()> {
+        stdout.write_all(text.as_bytes())?;
+        stdout.flush()?;
+        Ok(())
+    };
+    let generation = match (&args.prompt, &args.prompt_ids) {
+        (_, Some(ids)) => {
+            let prompt = tokenizer.decode(ids, true).map_err(anyhow::Error::msg)?;
+            print(&prompt)?;
+            generator.generate_from_ids(ids, &mut print)?
+        }
+        (Some(prompt), None) => {
+            print(prompt)?;
+            generator.generate(prompt, &mut print)?
+        }
+        (None, None) => bail!("give a prompt with --prompt TEXT or --prompt-ids 1,2,3"),
+    };
+    println!();
+    eprintln!("{generation}");
+    Ok(())
+}

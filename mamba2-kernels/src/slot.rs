@@ -1,0 +1,33 @@
+//! A second output of a custom op: candle ops return one storage, so an op that produces two
+//! (a new state, a new residual) or whose output is not its in-place destination leaves the other
+//! storage here, and the caller wraps it in a tensor of the shape it knows.
+
+use std::sync::Mutex;
+
+use candle_core::op::BackpropOp;
+use candle_core::{bail, Result, Shape, Storage, Tensor};
+
+/// A storage written by the op's forward and taken by the caller once it has run.
+#[derive(Debug, Default)]
+pub(crate) struct Slot(Mutex<Option<Storage>>);
+
+impl Slot {
+    /// Stores `s`; an op calls this once per forward.
+    pub fn put(&self, op: &str, s: Storage) -> Result<()> {
+        match self.0.lock() {
+            Ok(mut slot) => {
+                *slot = Some(s);
+                Ok(())
+            }
+            Err(_) => bail!("{op}: output slot poisoned"),
+        }
+    }
+
+    /// The stored storage as a tensor of `shape`, or an error when the op stored none.
+    pub fn take(self, op: &str, name: &str, shape: impl Into<Shape>) -> Result<Tensor> {
+        match self.0.into_inner() {
+            Ok(Some(s)) => Ok(Tensor::from_storage(s, shape, BackpropOp::none(), false)),
+            _ => bail!("{op}: the op produced no {name}"),
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! The recurrent state of a batch of sequences: per layer, the conv state and the SSM state.
+//!
+//! ```text
+//! conv [B, conv_dim, d_conv]   the last d_conv pre-conv xBC inputs, oldest first (model dtype)
+//! ssm  [B, nheads, headdim, d_state]   the SSM state h (f32)
+//! ```
+//!
+//! Both layouts are those of HF's cache and mamba_ssm's `inference_params`, so states can be
+//! compared with theirs directly. The tensors keep their storage for the cache's whole life:
+//! prefill copies the new states in, decode updates them in place, `reset` zeroes them. Hence a
+//! cache is duplicated with [`Cache::try_clone`] (a deep copy), never by sharing its tensors.
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+use crate::Config;
+
+/// The state of one layer.
+#[derive(Debug)]
+pub struct LayerState {
+    /// `[B, conv_dim, d_conv]` in the model's dtype.
+    pub conv: Tensor,
+    /// `[B, nheads, headdim, d_state]` f32.
+    pub ssm: Tensor,
+}
+
+/// The state of every layer for `batch` sequences, and how many tokens they have consumed.
+#[derive(Debug)]
+pub struct Cache {
+    layers: Vec<LayerState>,
+    batch: usize,
+    tokens: usize,
+}
+
+impl Cache {
+    /// A zero state (an empty prefix) for `batch` sequences of a `config` model in `dtype`.
+    pub fn new(config: &Config, batch: usize, dtype: DType, device: &Device) -> Result<Self> {
+        if batch == 0 {
+            bail!("cache: batch size must be >= 1")
+        }
+        let layers = (0..config.n_layer)
+            .map(|_| {
+                Ok(LayerState {
+                    conv: Tensor::zeros((batch, config.conv_dim(), config.d_conv), dtype, device)?,
+                    ssm: Tensor::zeros(
+                        (batch, config.nheads, config.headdim, config.d_state),
+                        DType::F32,
+                        device,
+                    )?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            batch,
+            tokens: 0,
+        })
+    }
+
+    /// The number of sequences.
+    pub fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    /// Tokens consumed per sequence since creation or the last [`Cache::reset`].
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// The per-layer states.
+    pub fn layers(&self) -> &[LayerState] {
+        &self.layers
+    }
+
+    pub(crate) fn layers_mut(&mut self) -> &mut [LayerState] {
+        &mut self.layers
+    }
+
+    pub(crate) fn advance(&mut self, tokens: usize) {
+        self.tokens += tokens;
+    }
+
+    /// Zeroes every state in place: the cache then holds an empty prefix again.
+    pub fn reset(&mut self) -> Result<()> {
+        for l in &self.layers {
+            l.conv.zero_set()?;
+            l.ssm.zero_set()?;
+        }
+        self.tokens = 0;
+        Ok(())
+    }
+
+    /// A deep copy: the copy and the original then evolve independently.
+    pub fn try_clone(&self) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerState {
+                    conv: l.conv.copy()?,
+                    ssm: l.ssm.copy()?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            batch: self.batch,
+            tokens: self.tokens,
+        })
+    }
+
+    /// Checks that this cache fits a `config` model in `dtype` on `device`, fed `batch` sequences.
+    pub(crate) fn check(
+        &self,
+        config: &Config,
+        batch: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<()> {
+        if batch != self.batch {
+            bail!(
+                "the input has batch size {batch} but the cache was made for {}",
+                self.batch
+            )
+        }
+        let conv = [self.batch, config.conv_dim(), config.d_conv];
+        let ssm = [self.batch, config.nheads, config.headdim, config.d_state];
+        let fits = self.layers.len() == config.n_layer
+            && self.layers.iter().all(|l| {
+                l.conv.dims() == conv
+                    && l.ssm.dims() == ssm
+                    && l.conv.dtype() == dtype
+                    && l.conv.device().same_device(device)
+                    && l.ssm.device().same_device(device)
+            });
+        if !fits {
+            bail!("the cache was made for another model (layers, state shapes, dtype or device differ)")
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,259 @@
+//! Text generation: prefill the prompt once, then decode one token at a time through the cache.
+//!
+//! ```text
+//! logits = prefill(prompt)                       (timed: prefill tokens/s)
+//! loop:  t = sample(logits, history)             stop on EOS or after max_new_tokens
+//!        stream the newly complete text          stop when a stop string appears
+//!        logits = step(t)                        (timed: decode tokens/s)
+//! ```
+//!
+//! Text reaches the callback as soon as it is complete ([`TextStream`]: never half a character).
+//! A stop string ends generation and is not part of the output; text that could still become the
+//! start of a stop string is held back until it cannot.
+
+use std::fmt;
+use std::time::Instant;
+
+use candle_core::{bail, Result, Tensor};
+use tokenizers::Tokenizer;
+
+use crate::{Config, Model, Sampler, SamplingParams, TextStream};
+
+/// What to generate and when to stop.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationConfig {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation ends when the output contains one of these (non-empty) strings.
+    pub stop_strings: Vec<String>,
+    /// Generation ends when one of these tokens is drawn (it is not output).
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Eos,
+    StopString,
+    MaxNewTokens,
+}
+
+/// The result of one generation.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The generated text (without the prompt, cut before a stop string).
+    pub text: String,
+    /// The generated tokens (without the prompt and the EOS token).
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+    pub prompt_tokens: usize,
+    pub prefill_secs: f64,
+    /// Decode steps (tokens fed back through the model) and their time.
+    pub decode_steps: usize,
+    pub decode_secs: f64,
+}
+
+impl Generation {
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_secs.max(f64::MIN_POSITIVE)
+    }
+
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        self.decode_steps as f64 / self.decode_secs.max(f64::MIN_POSITIVE)
+    }
+}
+
+impl fmt::Display for Generation {
+    /// One stats line: prompt and prefill speed, generated tokens and decode speed.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "prompt {} tokens, prefill {:.1} tokens/s | generated {} tokens, decode {:.1} tokens/s | stop: {:?}",
+            self.prompt_tokens,
+            self.prefill_tokens_per_s(),
+            self.tokens.len(),
+            self.decode_tokens_per_s(),
+            self.stop
+        )
+    }
+}
+
+/// The end-of-sequence tokens of a model: the config's `eos_token_id`, and `<|endoftext|>` when
+/// the tokenizer has it (state-spaces configs name no EOS; their GPT-NeoX tokenizer does).
+pub fn eos_token_ids(config: &Config, tokenizer: &Tokenizer) -> Vec<u32> {
+    let mut ids = config.eos_token_ids.clone();
+    if let Some(id) = tokenizer.token_to_id("<|endoftext|>") {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+/// Generates text from a model and its tokenizer (batch 1).
+pub struct Generator<'a> {
+    model: &'a Model,
+    tokenizer: &'a Tokenizer,
+    config: GenerationConfig,
+}
+
+impl<'a> Generator<'a> {
+    pub fn new(
+        model: &'a Model,
+        tokenizer: &'a Tokenizer,
+        config: GenerationConfig,
+    ) -> Result<Self> {
+        config.sampling.validate()?;
+        if config.stop_strings.iter().any(String::is_empty) {
+            bail!("stop strings must not be empty")
+        }
+        Ok(Self {
+            model,
+            tokenizer,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &GenerationConfig {
+        &self.config
+    }
+
+    /// Encodes `prompt` (with the tokenizer's special tokens) and generates from it.
+    pub fn generate(
+        &self,
+        prompt: &str,
+        on_text: impl FnMut(&str) -> Result<()>,
+    ) -> Result<Generation> {
+        let enc = self
+            .tokenizer
+            .encode(prompt, true)
+            .map_err(|e| candle_core::Error::msg(format!("cannot encode the prompt: {e}")))?;
+        self.generate_from_ids(enc.get_ids(), on_text)
+    }
+
+    /// Generates from the token ids `prompt`, calling `on_text` with each newly complete piece.
+    pub fn generate_from_ids(
+        &self,
+        prompt: &[u32],
+        mut on_text: impl FnMut(&str) -> Result<()>,
+    ) -> Result<Generation> {
+        if prompt.is_empty() {
+            bail!("the prompt has no tokens")
+        }
+        let vocab = self.model.config().vocab_size;
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            bail!("prompt token {bad} is out of the model's vocabulary ({vocab} tokens)")
+        }
+        let (model, device) = (self.model, self.model.device());
+        let mut sampler = Sampler::new(self.config.sampling)?;
+        let mut cache = model.new_cache(1)?;
+
+        let start = Instant::now();
+        let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
+        let mut logits = model.prefill(&ids, &mut cache)?.squeeze(0)?;
+        device.synchronize()?;
+        let prefill_secs = start.elapsed().as_secs_f64();
+
+        let mut history = prompt.to_vec();
+        let mut tokens = Vec::new();
+        let mut stream = TextStream::with_context(self.tokenizer, prompt);
+        let mut out = StopFilter::new(&self.config.stop_strings);
+        let mut stop = StopReason::MaxNewTokens;
+        let mut decode_steps = 0;
+        let start = Instant::now();
+        for i in 0..self.config.max_new_tokens {
+            let token = sampler.sample(&logits, &history)?;
+            if self.config.eos_token_ids.contains(&token) {
+                stop = StopReason::Eos;
+                break;
+            }
+            history.push(token);
+            tokens.push(token);
+            if out.push(&stream.push(token)?, &mut on_text)? {
+                stop = StopReason::StopString;
+                break;
+            }
+            if i + 1 < self.config.max_new_tokens {
+                let ids = Tensor::new(&[token], device)?;
+                logits = model.step(&ids, &mut cache)?.squeeze(0)?;
+                decode_steps += 1;
+            }
+        }
+        if stop != StopReason::StopString {
+            if out.push(&stream.flush()?, &mut on_text)? {
+                stop = StopReason::StopString;
+            } else {
+                out.finish(&mut on_text)?;
+            }
+        }
+        device.synchronize()?;
+        Ok(Generation {
+            text: out.text,
+            tokens,
+            stop,
+            prompt_tokens: prompt.len(),
+            prefill_secs,
+            decode_steps,
+            decode_secs: start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// Passes text on, cutting it before the first stop string and holding back any tail that may
+/// still grow into one.
+struct StopFilter<'s> {
+    stops: &'s [String],
+    text: String,
+    emitted: usize,
+}
+
+impl<'s> StopFilter<'s> {
+    fn new(stops: &'s [String]) -> Self {
+        Self {
+            stops,
+            text: String::new(),
+            emitted: 0,
+        }
+    }
+
+    /// Adds `piece`, emits what is safe; returns true when a stop string appeared.
+    fn push(&mut self, piece: &str, emit: &mut impl FnMut(&str) -> Result<()>) -> Result<bool> {
+        if piece.is_empty() {
+            return Ok(false);
+        }
+        self.text.push_str(piece);
+        let found = self
+            .stops
+            .iter()
+            .filter_map(|s| self.text[self.emitted..].find(s.as_str()))
+            .min();
+        if let Some(at) = found {
+            self.text.truncate(self.emitted + at);
+            self.finish(emit)?;
+            return Ok(true);
+        }
+        let hold = self
+            .stops
+            .iter()
+            .flat_map(|s| s.char_indices().skip(1).map(|(i, _)| &s[..i]))
+            .filter(|p| self.text.ends_with(p))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let end = self.text.len() - hold;
+        if end > self.emitted {
+            emit(&self.text[self.emitted..end])?;
+            self.emitted = end;
+        }
+        Ok(false)
+    }
+
+    /// Emits everything still held back.
+    fn finish(&mut self, emit: &mut impl FnMut(&str) -> Result<()>) -> Result<()> {
+        if self.text.len() > self.emitted {
+            emit(&self.text[self.emitted..])?;
+            self.emitted = self.text.len();
+        }
+        Ok(())
+    }
+}

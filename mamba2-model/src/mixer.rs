@@ -1,0 +1,180 @@
+//! The Mamba-2 mixer (mamba_ssm's `Mamba2` module), on the `mamba2-kernels` ops:
+//!
+//! ```text
+//! [z | xBC | dt] = in_proj(u)                           u [B,L,d_model]
+//! xBC = silu(causal_conv1d(xBC, conv state))            xBC [B,L,conv_dim]
+//! [x | B | C] = xBC                                     x [B,L,H,P], B, C [B,L,G,N]
+//! y, h = ssd(x, dt, A = −exp(A_log), B, C, D; h)        dt ← clamp(softplus(dt + dt_bias), dt_limit)
+//! out = out_proj(rmsnorm_per_group(y · silu(z)) · w)    groups of d_inner/G channels
+//! ```
+//!
+//! Decode is the same with `causal_conv1d_step` and `ssd_step` on one token. The dt clamp is
+//! applied in both paths: mamba_ssm's `Mamba2.step` and HF's single-token path skip it, so their
+//! decode departs from their own prefill when `dt_limit` is finite; here they agree. `A`,
+//! `dt_bias` and `D` are f32 whatever the model dtype. The chunked scan runs with chunks of
+//! `max(16, chunk_size rounded up to a power of two)` tokens: the result does not depend on the
+//! chunk length and the kernels need a power of two ≥ 16.
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{linear_b, Linear, VarBuilder};
+use mamba2_kernels::{
+    causal_conv1d, causal_conv1d_step, gated_rms_norm, ssd, ssd_step, ConvOptions, DtOptions,
+    SsdOptions, StepOptions,
+};
+
+use crate::cache::LayerState;
+use crate::Config;
+
+/// The weights of one mixer and the sizes it splits its projections by.
+#[derive(Debug)]
+pub struct Mixer {
+    in_proj: Linear,
+    /// `[conv_dim, d_conv]`: the checkpoint's `[conv_dim, 1, d_conv]` squeezed.
+    conv_weight: Tensor,
+    conv_bias: Option<Tensor>,
+    /// `[H]` f32, `−exp(A_log)`.
+    a: Tensor,
+    /// `[H]` f32.
+    d: Tensor,
+    /// `[H]` f32.
+    dt_bias: Tensor,
+    /// `[d_inner]`, the gated norm's weight.
+    norm: Tensor,
+    out_proj: Linear,
+    d_inner: usize,
+    nheads: usize,
+    headdim: usize,
+    ngroups: usize,
+    d_state: usize,
+    group_size: usize,
+    chunk_size: usize,
+    dt_limit: (f32, f32),
+    eps: f64,
+}
+
+impl Mixer {
+    /// Loads a mixer from `vb` (the `...mixer.` prefix), in `vb`'s dtype except A, D, dt_bias.
+    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        let (d_inner, h, conv_dim) = (cfg.d_inner(), cfg.nheads, cfg.conv_dim());
+        let f32_param =
+            |name: &str| vb.get_with_hints_dtype(h, name, Default::default(), DType::F32);
+        let a = f32_param("A_log")?.exp()?.neg()?;
+        Ok(Self {
+            in_proj: linear_b(cfg.d_model, cfg.in_proj_dim(), cfg.bias, vb.pp("in_proj"))?,
+            conv_weight: vb
+                .get((conv_dim, 1, cfg.d_conv), "conv1d.weight")?
+                .squeeze(1)?,
+            conv_bias: cfg
+                .conv_bias
+                .then(|| vb.get(conv_dim, "conv1d.bias"))
+                .transpose()?,
+            a,
+            d: f32_param("D")?,
+            dt_bias: f32_param("dt_bias")?,
+            norm: vb.get(d_inner, "norm.weight")?,
+            out_proj: linear_b(d_inner, cfg.d_model, cfg.bias, vb.pp("out_proj"))?,
+            d_inner,
+            nheads: h,
+            headdim: cfg.headdim,
+            ngroups: cfg.ngroups,
+            d_state: cfg.d_state,
+            group_size: cfg.norm_group_size(),
+            chunk_size: cfg.chunk_size.next_power_of_two().max(16),
+            dt_limit: cfg.dt_limit,
+            eps: cfg.norm_eps,
+        })
+    }
+
+    fn dt_options(&self) -> DtOptions<'_> {
+        DtOptions {
+            bias: Some(&self.dt_bias),
+            softplus: true,
+            limit: self.dt_limit,
+        }
+    }
+
+    fn conv_options(&self) -> ConvOptions<'_> {
+        ConvOptions {
+            bias: self.conv_bias.as_ref(),
+            silu: true,
+        }
+    }
+
+    /// Runs `u [B,L,d_model]` from `state` and leaves the state after the last token there.
+    pub fn forward(&self, u: &Tensor, state: &mut LayerState) -> Result<Tensor> {
+        let (b, l, _) = u.dims3()?;
+        let (di, h, p, gn) = (
+            self.d_inner,
+            self.nheads,
+            self.headdim,
+            self.ngroups * self.d_state,
+        );
+        let zxbcdt = self.in_proj.forward(u)?;
+        let z = zxbcdt.narrow(2, 0, di)?;
+        let xbc = zxbcdt.narrow(2, di, di + 2 * gn)?;
+        let dt = zxbcdt.narrow(2, 2 * di + 2 * gn, h)?;
+        let (xbc, conv) = causal_conv1d(
+            &xbc,
+            &self.conv_weight,
+            Some(&state.conv),
+            &self.conv_options(),
+        )?;
+        state.conv.slice_set(&conv, 0, 0)?;
+        let groups = (b, l, self.ngroups, self.d_state);
+        let x = xbc.narrow(2, 0, di)?.reshape((b, l, h, p))?;
+        let bm = xbc.narrow(2, di, gn)?.reshape(groups)?;
+        let cm = xbc.narrow(2, di + gn, gn)?.reshape(groups)?;
+        let opts = SsdOptions {
+            chunk_size: self.chunk_size,
+            dt: self.dt_options(),
+            d: Some(&self.d),
+            z: None,
+            initial_state: Some(&state.ssm),
+            state_dtype: DType::F32,
+        };
+        let (y, ssm) = ssd(&x, &dt, &self.a, &bm, &cm, &opts)?;
+        state.ssm.slice_set(&ssm, 0, 0)?;
+        let y = gated_rms_norm(
+            &y.reshape((b, l, di))?,
+            &z,
+            &self.norm,
+            self.group_size,
+            self.eps,
+        )?;
+        self.out_proj.forward(&y)
+    }
+
+    /// Runs one token `u [B,d_model]`, updating `state` in place.
+    pub fn step(&self, u: &Tensor, state: &mut LayerState) -> Result<Tensor> {
+        let (b, _) = u.dims2()?;
+        let (di, h, p, gn) = (
+            self.d_inner,
+            self.nheads,
+            self.headdim,
+            self.ngroups * self.d_state,
+        );
+        let zxbcdt = self.in_proj.forward(u)?;
+        let z = zxbcdt.narrow(1, 0, di)?;
+        let xbc = zxbcdt.narrow(1, di, di + 2 * gn)?;
+        let dt = zxbcdt.narrow(1, 2 * di + 2 * gn, h)?;
+        let xbc = causal_conv1d_step(&state.conv, &xbc, &self.conv_weight, &self.conv_options())?;
+        let groups = (b, self.ngroups, self.d_state);
+        let x = xbc.narrow(1, 0, di)?.reshape((b, h, p))?;
+        let bm = xbc.narrow(1, di, gn)?.reshape(groups)?;
+        let cm = xbc.narrow(1, di + gn, gn)?.reshape(groups)?;
+        let opts = StepOptions {
+            dt: self.dt_options(),
+            d: Some(&self.d),
+            z: None,
+        };
+        let y = ssd_step(&state.ssm, &x, &dt, &self.a, &bm, &cm, &opts)?;
+        let y = gated_rms_norm(
+            &y.reshape((b, di))?,
+            &z,
+            &self.norm,
+            self.group_size,
+            self.eps,
+        )?;
+        self.out_proj.forward(&y)
+    }
+}
