@@ -2,7 +2,9 @@
 //! 0.11.1's chunked SSD path on the same shape, timed in the same run.
 //!
 //! `cargo run --release --example bench_ssd` (CPU, the shape: B=1, L=4096, H=24, P=64,
-//! N=128, chunk 128, f32).
+//! N=128, chunk 128, f32). With `--features cuda`, `bench_ssd --cuda` times the CUDA kernels on
+//! the seed shapes with CUDA events (median of `--gpu-reps` runs after warm-up, three input sets
+//! in rotation) and one host call per run, plus the decode step.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -37,6 +39,12 @@ struct Args {
     /// Skip candle-transformers.
     #[arg(long)]
     no_peer: bool,
+    /// Benchmark the CUDA kernels instead (needs `--features cuda`).
+    #[arg(long)]
+    cuda: bool,
+    /// Timed runs per CUDA measurement.
+    #[arg(long, default_value_t = 200)]
+    gpu_reps: usize,
 }
 
 /// Median wall time in milliseconds of `reps` runs after one warm-up run.
@@ -147,6 +155,12 @@ fn peer_model(
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.cuda {
+        #[cfg(feature = "cuda")]
+        return gpu::run(&args);
+        #[cfg(not(feature = "cuda"))]
+        anyhow::bail!("--cuda needs a build with --features cuda");
+    }
     let dev = Device::Cpu;
     let inp = inputs(&args, &dev)?;
     let opts = SsdOptions {
@@ -165,28 +179,20 @@ fn main() -> Result<()> {
     let (dt_out, da) = k::chunk_cumsum(&inp.dt, &inp.a, &opts.dt, args.chunk)?;
     let states = k::fwd_pass_state(x, b, &dt_out, &da, None, args.chunk, DType::F32)?;
     let t_cumsum = median_ms(args.reps, || {
-        Ok(drop(k::chunk_cumsum(
-            &inp.dt, &inp.a, &opts.dt, args.chunk,
-        )?))
+        k::chunk_cumsum(&inp.dt, &inp.a, &opts.dt, args.chunk)?;
+        Ok(())
     })?;
     let t_state = median_ms(args.reps, || {
-        Ok(drop(k::fwd_pass_state(
-            x,
-            b,
-            &dt_out,
-            &da,
-            None,
-            args.chunk,
-            DType::F32,
-        )?))
+        k::fwd_pass_state(x, b, &dt_out, &da, None, args.chunk, DType::F32)?;
+        Ok(())
     })?;
     let t_out = median_ms(args.reps, || {
-        Ok(drop(k::compute_out(
-            x, b, c, &dt_out, &da, &states, opts.d, opts.z, args.chunk,
-        )?))
+        k::compute_out(x, b, c, &dt_out, &da, &states, opts.d, opts.z, args.chunk)?;
+        Ok(())
     })?;
     let t_ssd = median_ms(args.reps, || {
-        Ok(drop(k::ssd(x, &inp.dt, &inp.a, b, c, &opts)?))
+        k::ssd(x, &inp.dt, &inp.a, b, c, &opts)?;
+        Ok(())
     })?;
 
     let a = &args;
@@ -216,7 +222,10 @@ fn main() -> Result<()> {
         let t_peer = median_ms(args.peer_reps, || {
             let mut st =
                 candle_transformers::models::mamba2::State::new(a.batch, &cfg, DType::F32, &dev)?;
-            Ok(drop(model.forward_prefill(&ids, &mut st, a.chunk)?))
+            {
+                model.forward_prefill(&ids, &mut st, a.chunk)?;
+                Ok(())
+            }
         })?;
         // The layer's projections alone, so the peer's SSD share can be read off.
         let d_inner = a.nheads * a.headdim;
@@ -245,4 +254,298 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::time::Instant;
+
+    use anyhow::Result;
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
+    use candle_core::{DType, Device, Tensor};
+    use mamba2::kernels::{self as k, DtOptions, SsdOptions, StepOptions};
+
+    use super::Args;
+
+    struct Set {
+        x: Tensor,
+        dt: Tensor,
+        b: Tensor,
+        c: Tensor,
+    }
+
+    struct Shape {
+        name: &'static str,
+        batch: usize,
+        seqlen: usize,
+        nheads: usize,
+        dstate: usize,
+    }
+
+    fn stream(dev: &Device) -> Result<std::sync::Arc<CudaStream>> {
+        Ok(dev.as_cuda_device()?.cuda_stream())
+    }
+
+    fn event(s: &CudaStream) -> Result<CudaEvent> {
+        Ok(s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
+    }
+
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+
+    /// Median GPU time (µs) of `f` over `reps` runs, each bracketed by events; a long copy is
+    /// queued first so the host runs ahead of the GPU and no launch gap enters the brackets.
+    fn gpu_us(
+        dev: &Device,
+        reps: usize,
+        ballast: &Tensor,
+        mut f: impl FnMut(usize) -> Result<()>,
+    ) -> Result<f64> {
+        let s = stream(dev)?;
+        for i in 0..5 {
+            f(i)?;
+        }
+        s.synchronize()?;
+        let mut times = Vec::with_capacity(reps);
+        let mut left = reps;
+        while left > 0 {
+            let n = left.min(20);
+            for _ in 0..4 {
+                ballast.affine(1.0, 1.0)?;
+            }
+            let mut ev = Vec::with_capacity(n);
+            for i in 0..n {
+                let a = event(&s)?;
+                f(i)?;
+                ev.push((a, event(&s)?));
+            }
+            s.synchronize()?;
+            for (a, b) in &ev {
+                times.push(a.elapsed_ms(b)? as f64 * 1e3);
+            }
+            left -= n;
+        }
+        Ok(median(times))
+    }
+
+    /// Median wall time (µs) of one call from the host, synchronised.
+    fn host_us(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+        let s = stream(dev)?;
+        for i in 0..5 {
+            f(i)?;
+        }
+        s.synchronize()?;
+        let mut times = Vec::with_capacity(reps);
+        for i in 0..reps {
+            let t = Instant::now();
+            f(i)?;
+            s.synchronize()?;
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        Ok(median(times))
+    }
+
+    pub fn run(args: &Args) -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        let ballast = Tensor::randn(0f32, 1., 256 << 20, &dev)?;
+        let shapes = [
+            Shape {
+                name: "seed N128 L4096",
+                batch: 4,
+                seqlen: 4096,
+                nheads: 8,
+                dstate: 128,
+            },
+            Shape {
+                name: "seed N128 L16384",
+                batch: 4,
+                seqlen: 16384,
+                nheads: 8,
+                dstate: 128,
+            },
+            Shape {
+                name: "seed N64 L16384",
+                batch: 4,
+                seqlen: 16384,
+                nheads: 8,
+                dstate: 64,
+            },
+            Shape {
+                name: "seed N256 L16384",
+                batch: 4,
+                seqlen: 16384,
+                nheads: 8,
+                dstate: 256,
+            },
+            Shape {
+                name: "seed N128 L65536",
+                batch: 4,
+                seqlen: 65536,
+                nheads: 8,
+                dstate: 128,
+            },
+            Shape {
+                name: "130m layer B1 L2048",
+                batch: 1,
+                seqlen: 2048,
+                nheads: 24,
+                dstate: 128,
+            },
+            Shape {
+                name: "2.7b layer B1 L2048",
+                batch: 1,
+                seqlen: 2048,
+                nheads: 80,
+                dstate: 128,
+            },
+        ];
+        let (p, g, chunk) = (64, 1, 128);
+        println!("bench_ssd cuda: P=64 G=1 chunk=128 bf16 values, bf16 chunk states; GPU µs = median of {} event-timed runs; call µs = one host call, synchronised", args.gpu_reps);
+        println!("| shape | chunk_cumsum | fwd_pass_state | compute_out | stages sum | ssd GPU | ssd call | state GB/s | out GB/s |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+        for sh in &shapes {
+            let (bsz, l, h, n) = (sh.batch, sh.seqlen, sh.nheads, sh.dstate);
+            let sets: Vec<Set> = (0..3)
+                .map(|_| -> Result<Set> {
+                    Ok(Set {
+                        x: Tensor::randn(0f32, 1., (bsz, l, h, p), &dev)?.to_dtype(DType::BF16)?,
+                        dt: Tensor::randn(0f32, 0.5, (bsz, l, h), &dev)?.to_dtype(DType::BF16)?,
+                        b: Tensor::randn(0f32, 0.1, (bsz, l, g, n), &dev)?.to_dtype(DType::BF16)?,
+                        c: Tensor::randn(0f32, 0.1, (bsz, l, g, n), &dev)?.to_dtype(DType::BF16)?,
+                    })
+                })
+                .collect::<Result<_>>()?;
+            let a = Tensor::rand(-8f32, -1., h, &dev)?;
+            let bias = Tensor::rand(-4f32, -2., h, &dev)?;
+            let dskip = Tensor::randn(0f32, 1., h, &dev)?;
+            let dt_opts = DtOptions {
+                bias: Some(&bias),
+                softplus: true,
+                limit: (0.0, f32::INFINITY),
+            };
+            let opts = SsdOptions {
+                chunk_size: chunk,
+                dt: dt_opts,
+                d: Some(&dskip),
+                z: None,
+                initial_state: None,
+                state_dtype: DType::BF16,
+            };
+            let stage1: Vec<(Tensor, Tensor)> = sets
+                .iter()
+                .map(|s| k::chunk_cumsum(&s.dt, &a, &dt_opts, chunk))
+                .collect::<candle_core::Result<_>>()?;
+            let stage2: Vec<Tensor> = sets
+                .iter()
+                .zip(&stage1)
+                .map(|(s, (dt, da))| {
+                    k::fwd_pass_state(&s.x, &s.b, dt, da, None, chunk, DType::BF16)
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let reps = args.gpu_reps;
+            let t1 = gpu_us(&dev, reps, &ballast, |i| {
+                k::chunk_cumsum(&sets[i % 3].dt, &a, &dt_opts, chunk)?;
+                Ok(())
+            })?;
+            let t2 = gpu_us(&dev, reps, &ballast, |i| {
+                let (dt, da) = &stage1[i % 3];
+                {
+                    k::fwd_pass_state(
+                        &sets[i % 3].x,
+                        &sets[i % 3].b,
+                        dt,
+                        da,
+                        None,
+                        chunk,
+                        DType::BF16,
+                    )?;
+                    Ok(())
+                }
+            })?;
+            let t3 = gpu_us(&dev, reps, &ballast, |i| {
+                let (s, (dt, da)) = (&sets[i % 3], &stage1[i % 3]);
+                {
+                    k::compute_out(
+                        &s.x,
+                        &s.b,
+                        &s.c,
+                        dt,
+                        da,
+                        &stage2[i % 3],
+                        Some(&dskip),
+                        None,
+                        chunk,
+                    )?;
+                    Ok(())
+                }
+            })?;
+            let run = |i: usize| -> Result<()> {
+                let s = &sets[i % 3];
+                {
+                    k::ssd(&s.x, &s.dt, &a, &s.b, &s.c, &opts)?;
+                    Ok(())
+                }
+            };
+            let t_ssd = gpu_us(&dev, reps, &ballast, run)?;
+            let t_call = host_us(&dev, reps, run)?;
+            // Bytes: stage 2 reads x, b and writes the chunk states; stage 3 reads x, b, c, the
+            // states and writes y (bf16 = 2 bytes).
+            let nchunks = l.div_ceil(chunk);
+            let xb = (bsz * l * h * p * 2) as f64;
+            let bb = (bsz * l * g * n * 2) as f64;
+            let sb = (bsz * h * (nchunks + 1) * p * n * 2) as f64;
+            let bw2 = (xb + bb + sb) / (t2 * 1e3);
+            let bw3 = (2.0 * xb + 2.0 * bb + sb) / (t3 * 1e3);
+            println!(
+                "| {} (B={bsz} H={h} N={n} L={l}) | {t1:.1} | {t2:.1} | {t3:.1} | {:.1} | {t_ssd:.1} | {t_call:.1} | {bw2:.0} | {bw3:.0} |",
+                sh.name,
+                t1 + t2 + t3
+            );
+        }
+
+        println!();
+        println!("| decode step (H=80 P=64 N=128, bf16 values) | state | GPU µs | call µs | GB/s (state read+write) |");
+        println!("|---|---|---|---|---|");
+        let h = 80;
+        for batch in [1, 16, 64] {
+            for state_dtype in [DType::F32, DType::BF16] {
+                let state =
+                    Tensor::randn(0f32, 1., (batch, h, p, 128), &dev)?.to_dtype(state_dtype)?;
+                let x = Tensor::randn(0f32, 1., (batch, h, p), &dev)?.to_dtype(DType::BF16)?;
+                let dt = Tensor::randn(0f32, 0.5, (batch, h), &dev)?.to_dtype(DType::BF16)?;
+                let bm = Tensor::randn(0f32, 0.1, (batch, g, 128), &dev)?.to_dtype(DType::BF16)?;
+                let cm = Tensor::randn(0f32, 0.1, (batch, g, 128), &dev)?.to_dtype(DType::BF16)?;
+                let a = Tensor::rand(-8f32, -1., h, &dev)?;
+                let bias = Tensor::rand(-4f32, -2., h, &dev)?;
+                let dskip = Tensor::randn(0f32, 1., h, &dev)?;
+                let z = Tensor::randn(0f32, 1., (batch, h, p), &dev)?.to_dtype(DType::BF16)?;
+                let opts = StepOptions {
+                    dt: DtOptions {
+                        bias: Some(&bias),
+                        softplus: true,
+                        limit: (0.0, f32::INFINITY),
+                    },
+                    d: Some(&dskip),
+                    z: Some(&z),
+                };
+                let step = |_: usize| -> Result<()> {
+                    {
+                        k::ssd_step(&state, &x, &dt, &a, &bm, &cm, &opts)?;
+                        Ok(())
+                    }
+                };
+                let t = gpu_us(&dev, args.gpu_reps, &ballast, step)?;
+                let tc = host_us(&dev, args.gpu_reps, step)?;
+                let bytes = 2.0 * (batch * h * p * 128 * state_dtype.size_in_bytes()) as f64;
+                println!(
+                    "| B={batch} | {state_dtype:?} | {t:.2} | {tc:.1} | {:.0} |",
+                    bytes / (t * 1e3)
+                );
+            }
+        }
+        Ok(())
+    }
 }

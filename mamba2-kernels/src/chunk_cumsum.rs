@@ -69,6 +69,17 @@ impl CustomOp2 for ChunkCumsum {
             Shape::from((2, batch, nheads, seqlen)),
         ))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dt_s: &candle_core::CudaStorage,
+        dt_l: &Layout,
+        a_s: &candle_core::CudaStorage,
+        a_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::chunk_cumsum(self, dt_s, dt_l, a_s, a_l)
+    }
 }
 
 /// Processes `dt [B,L,H]` and returns `(dt_out, da_cumsum)`, both `[B,H,L]` f32.

@@ -185,6 +185,19 @@ impl CustomOp3 for ComputeOut {
         let shape = Shape::from((batch, seqlen, nheads, headdim));
         Ok((cpu::from_f32(y, x_s.dtype())?, shape))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        c_s: &candle_core::CudaStorage,
+        c_l: &Layout,
+        st_s: &candle_core::CudaStorage,
+        st_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::compute_out(self, x_s, x_l, c_s, c_l, st_s, st_l)
+    }
 }
 
 /// The SSD outputs `y [B,L,H,P]` (x's dtype) from the chunk states of [`crate::fwd_pass_state`].

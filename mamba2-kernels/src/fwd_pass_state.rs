@@ -119,6 +119,19 @@ impl CustomOp3 for FwdPassState {
         let shape = Shape::from((batch, nheads, nchunks + 1, headdim, dstate));
         Ok((cpu::from_f32(states, self.state_dtype)?, shape))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        b_s: &candle_core::CudaStorage,
+        b_l: &Layout,
+        dt_s: &candle_core::CudaStorage,
+        dt_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::fwd_pass_state(self, x_s, x_l, b_s, b_l, dt_s, dt_l)
+    }
 }
 
 /// The chunk-entry states `[B,H,C+1,P,N]` in `state_dtype` (f32 or bf16).

@@ -16,20 +16,33 @@
 //! `h / (H/G)`), `z [B,L,H,P]`, `D [H]` or `[H,P]`, states `[B,H,P,N]`, chunk states
 //! `[B,H,C+1,P,N]`. Values are f32, f16 or bf16; arithmetic accumulates in f32.
 //! [`reference`] holds the sequential f64 recurrence that every implementation is tested against.
+//!
+//! The rest of the mixer and block has ops of its own: [`causal_conv1d`] / [`causal_conv1d_step`]
+//! (depthwise causal conv with its rolling state, fused SiLU), [`gated_rms_norm`] (the per-group
+//! `norm(y·silu(z))`) and [`add_rms_norm`] (residual add + RMSNorm).
 
+mod add_rms_norm;
+mod causal_conv1d;
 mod check;
 mod chunk_cumsum;
 mod compute_out;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod dt;
 mod fwd_pass_state;
+mod gated_rms_norm;
 pub mod reference;
+mod slot;
 mod ssd;
 mod ssd_step;
 
+pub use add_rms_norm::add_rms_norm;
+pub use causal_conv1d::{causal_conv1d, causal_conv1d_step, ConvOptions};
 pub use chunk_cumsum::chunk_cumsum;
 pub use compute_out::compute_out;
 pub use dt::DtOptions;
 pub use fwd_pass_state::fwd_pass_state;
+pub use gated_rms_norm::gated_rms_norm;
 pub use ssd::{ssd, SsdOptions};
 pub use ssd_step::{ssd_step, StepOptions};

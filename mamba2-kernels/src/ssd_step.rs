@@ -188,6 +188,20 @@ impl InplaceOp3 for SsdStep {
         }
         self.put_y(Storage::Cpu(cpu::from_f32(y, x_s.dtype())?))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        st_s: &mut candle_core::CudaStorage,
+        st_l: &Layout,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        dt_s: &candle_core::CudaStorage,
+        dt_l: &Layout,
+    ) -> Result<()> {
+        let y = crate::cuda::ssd_step(self, st_s, st_l, x_s, x_l, dt_s, dt_l)?;
+        self.put_y(Storage::Cuda(y))
+    }
 }
 
 /// Advances `state [B,H,P,N]` (f32 or bf16) by one token in place and returns `y [B,H,P]`.

@@ -1,0 +1,89 @@
+// Depthwise causal conv1d with fused bias + SiLU, and its one-token update (channels last):
+//   y[b,t,d] = act(bias[d] + Σ_{k<K} w[d,k] · u[b, t−K+1+k, d]),  u = state (K values) ++ x
+// x rows (tokens) may be strided (a slice of in_proj's output): row r of batch b starts at
+// x + (b·L + r)·x_stride. weight [D,K], bias [D], state [B,D,K] (the last K inputs, oldest
+// first), y [B,L,D] contiguous; all of type T, f32 accumulation.
+#include "common.cuh"
+
+namespace {
+
+constexpr int TOKENS = 32;  // tokens per thread in the prefill kernel
+
+template <typename T>
+__device__ __forceinline__ float input(const T* x, const T* st, int b, int t, int d, int L, int D,
+                                       int K, long x_stride) {
+  // t may be negative: then it reads the incoming state.
+  return t >= 0 ? m2::to_f(x[(static_cast<long>(b) * L + t) * x_stride + d])
+                : m2::to_f(st[(static_cast<long>(b) * D + d) * K + K + t]);
+}
+
+template <typename T>
+__device__ void conv_prefill(const T* __restrict__ x, const T* __restrict__ w,
+                             const T* __restrict__ bias, const T* __restrict__ st_in,
+                             T* __restrict__ y, T* __restrict__ st_out, int B, int L, int D, int K,
+                             long x_stride, int silu) {
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  const int t0 = blockIdx.y * TOKENS, b = blockIdx.z;
+  if (d >= D) return;
+  // Up to 8 taps stay in registers (static indices); wider kernels read w from cache.
+  float wk[8];
+  const bool small = K <= 8;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) wk[k] = small && k < K ? m2::to_f(w[d * K + k]) : 0.f;
+  const float bv = bias ? m2::to_f(bias[d]) : 0.f;
+  const int t1 = min(L, t0 + TOKENS);
+  for (int t = t0; t < t1; ++t) {
+    float acc = bv;
+    if (small) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (k < K) acc += wk[k] * input(x, st_in, b, t - K + 1 + k, d, L, D, K, x_stride);
+    } else {
+      for (int k = 0; k < K; ++k)
+        acc += m2::to_f(w[d * K + k]) * input(x, st_in, b, t - K + 1 + k, d, L, D, K, x_stride);
+    }
+    if (silu) acc = m2::silu(acc);
+    y[(static_cast<long>(b) * L + t) * D + d] = m2::from_f<T>(acc);
+  }
+  if (blockIdx.y == 0) {
+    // The new state: the last K entries of u.
+    for (int k = 0; k < K; ++k)
+      st_out[(static_cast<long>(b) * D + d) * K + k] =
+          m2::from_f<T>(input(x, st_in, b, L - K + k, d, L, D, K, x_stride));
+  }
+}
+
+template <typename T>
+__device__ void conv_step(T* __restrict__ st, const T* __restrict__ x, const T* __restrict__ w,
+                          const T* __restrict__ bias, T* __restrict__ y, int B, int D, int K,
+                          long x_stride, int silu) {
+  const int d = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (d >= D) return;
+  T* row = st + (static_cast<long>(b) * D + d) * K;
+  const float xv = m2::to_f(x[static_cast<long>(b) * x_stride + d]);
+  float acc = bias ? m2::to_f(bias[d]) : 0.f;
+  for (int k = 0; k < K; ++k) {
+    const float u = k + 1 < K ? m2::to_f(row[k + 1]) : xv;
+    acc += m2::to_f(w[d * K + k]) * u;
+    row[k] = m2::from_f<T>(u);
+  }
+  if (silu) acc = m2::silu(acc);
+  y[static_cast<long>(b) * D + d] = m2::from_f<T>(acc);
+}
+
+}  // namespace
+
+#define CONV(T, TN)                                                                               \
+  extern "C" __global__ void causal_conv1d_##TN(const T* x, const T* w, const T* bias,             \
+                                                const T* st_in, T* y, T* st_out, int B, int L,     \
+                                                int D, int K, long x_stride, int silu) {           \
+    conv_prefill<T>(x, w, bias, st_in, y, st_out, B, L, D, K, x_stride, silu);                   \
+  }                                                                                               \
+  extern "C" __global__ void causal_conv1d_step_##TN(T* st, const T* x, const T* w, const T* bias, \
+                                                     T* y, int B, int D, int K, long x_stride,     \
+                                                     int silu) {                                   \
+    conv_step<T>(st, x, w, bias, y, B, D, K, x_stride, silu);                                     \
+  }
+CONV(float, f32)
+CONV(__half, f16)
+CONV(__nv_bfloat16, bf16)

@@ -1,0 +1,52 @@
+// Stage 1: dt processing and per-chunk cumulative sums of a·dt (log2 space).
+//   dt_out[b,h,l] = clamp(softplus(dt[b,l,h] + bias[h]))
+//   da[b,h,l]     = log2(e)·Σ_{s = chunk start..l} a[h]·dt_out[b,h,s]
+// One warp per (batch, chunk, head): lanes own consecutive tokens, a warp scan joins them.
+// Outputs are [B,H,L] f32: out = dt_out, out + B·H·L = da.
+#include "common.cuh"
+
+template <typename T>
+__device__ void chunk_cumsum(const T* __restrict__ dt, const float* __restrict__ a,
+                             const float* __restrict__ bias, float* __restrict__ out, int batch,
+                             int seqlen, int nheads, int chunk, int softplus, float lo, float hi) {
+  const int h = blockIdx.z * blockDim.y + threadIdx.y;
+  const int c = blockIdx.x, b = blockIdx.y, lane = threadIdx.x;
+  if (h >= nheads) return;
+  const int l0 = c * chunk;
+  const int len = min(chunk, seqlen - l0);
+  const float ah = a[h], bh = bias ? bias[h] : 0.f;
+  const size_t row = (static_cast<size_t>(b) * nheads + h) * seqlen;
+  float* dt_out = out + row;
+  float* da_out = out + static_cast<size_t>(batch) * nheads * seqlen + row;
+  float carry = 0.f;
+  for (int base = 0; base < len; base += 32) {
+    const int t = base + lane;
+    float v = 0.f;
+    if (t < len) {
+      const size_t src = (static_cast<size_t>(b) * seqlen + l0 + t) * nheads + h;
+      v = m2::process_dt(m2::to_f(dt[src]), bh, softplus, lo, hi);
+    }
+    float s = ah * v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      float n = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += n;
+    }
+    s += carry;
+    if (t < len) {
+      dt_out[l0 + t] = v;
+      da_out[l0 + t] = s * 1.4426950408889634f;
+    }
+    carry = __shfl_sync(0xffffffffu, s, 31);
+  }
+}
+
+#define CHUNK_CUMSUM(NAME, T)                                                                 \
+  extern "C" __global__ void NAME(const T* dt, const float* a, const float* bias, float* out, \
+                                  int batch, int seqlen, int nheads, int chunk, int softplus,  \
+                                  float lo, float hi) {                                        \
+    chunk_cumsum<T>(dt, a, bias, out, batch, seqlen, nheads, chunk, softplus, lo, hi);         \
+  }
+CHUNK_CUMSUM(chunk_cumsum_f32, float)
+CHUNK_CUMSUM(chunk_cumsum_f16, __half)
+CHUNK_CUMSUM(chunk_cumsum_bf16, __nv_bfloat16)

@@ -1,0 +1,259 @@
+//! CUDA launchers of the custom ops. The kernels (`kernels/*.cu`) are compiled by build.rs into
+//! fatbins, loaded once per CUDA context, and launched on candle's stream with raw device
+//! pointers; outputs are fresh allocations (filled with NaN first when `MAMBA2_POISON=1`, so
+//! tests can see any element a kernel fails to write).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::{
+    result, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, SyncOnDrop,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
+
+mod conv;
+mod norm;
+mod ssd;
+
+pub(crate) use conv::{causal_conv1d, causal_conv1d_step};
+pub(crate) use norm::{add_rms_norm, gated_rms_norm};
+pub(crate) use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd_step};
+
+macro_rules! fatbin {
+    ($name:literal) => {
+        (
+            $name,
+            include_bytes!(concat!(env!("OUT_DIR"), "/", $name, ".fatbin")),
+        )
+    };
+}
+pub(crate) type Image = (&'static str, &'static [u8]);
+const CHUNK_CUMSUM: Image = fatbin!("chunk_cumsum");
+const FWD_PASS_STATE: Image = fatbin!("fwd_pass_state");
+const COMPUTE_OUT: Image = fatbin!("compute_out");
+const SSD_STEP: Image = fatbin!("ssd_step");
+const CAUSAL_CONV1D: Image = fatbin!("causal_conv1d");
+const RMS_NORM: Image = fatbin!("rms_norm");
+
+/// Loaded modules and functions, per CUDA context (a context is a device's primary context).
+#[derive(Default)]
+struct Cache {
+    modules: HashMap<(usize, &'static str), Arc<CudaModule>>,
+    functions: HashMap<(usize, String), CudaFunction>,
+    sm_count: HashMap<usize, usize>,
+}
+
+fn cache() -> &'static Mutex<Cache> {
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+fn lock() -> Result<std::sync::MutexGuard<'static, Cache>> {
+    cache()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("mamba2 CUDA module cache poisoned".into()))
+}
+
+/// The kernel `name` of `image`, loaded on first use with its dynamic shared memory limit raised.
+pub(crate) fn function(stream: &Arc<CudaStream>, image: Image, name: &str) -> Result<CudaFunction> {
+    let ctx = stream.context();
+    let key = ctx.cu_ctx() as usize;
+    let mut c = lock()?;
+    if let Some(f) = c.functions.get(&(key, name.to_string())) {
+        return Ok(f.clone());
+    }
+    let module = match c.modules.get(&(key, image.0)) {
+        Some(m) => m.clone(),
+        None => {
+            let m = ctx.load_module(Ptx::from_binary(image.1.to_vec())).w()?;
+            c.modules.insert((key, image.0), m.clone());
+            m
+        }
+    };
+    let f = module.load_function(name).w()?;
+    let max_smem = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        max_smem,
+    )
+    .w()?;
+    c.functions.insert((key, name.to_string()), f.clone());
+    Ok(f)
+}
+
+pub(crate) fn max_smem(stream: &Arc<CudaStream>) -> Result<usize> {
+    let v = stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
+    Ok(v as usize)
+}
+
+pub(crate) fn sm_count(stream: &Arc<CudaStream>) -> Result<usize> {
+    let ctx = stream.context();
+    let key = ctx.cu_ctx() as usize;
+    if let Some(&n) = lock()?.sm_count.get(&key) {
+        return Ok(n);
+    }
+    let n = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()? as usize;
+    lock()?.sm_count.insert(key, n);
+    Ok(n)
+}
+
+pub(crate) fn dtype_name(op: &str, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        dt => bail!("{op}: no CUDA kernel for dtype {dt:?}"),
+    })
+}
+
+/// The device address of a storage's first element, and its stream guard.
+fn base_ptr<'a>(
+    op: &str,
+    name: &str,
+    s: &'a CudaStorage,
+    stream: &'a CudaStream,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    Ok(match &s.slice {
+        CudaStorageSlice::F32(v) => v.device_ptr(stream),
+        CudaStorageSlice::F16(v) => v.device_ptr(stream),
+        CudaStorageSlice::BF16(v) => v.device_ptr(stream),
+        _ => bail!("{op}: {name} must be f32, f16 or bf16, got {:?}", s.dtype()),
+    })
+}
+
+/// The device address of the first element of a contiguous tensor, and its stream guard.
+pub(crate) fn ptr<'a>(
+    op: &str,
+    name: &str,
+    s: &'a CudaStorage,
+    l: &Layout,
+    stream: &'a CudaStream,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    let Some((start, _)) = l.contiguous_offsets() else {
+        bail!("{op}: {name} must be contiguous")
+    };
+    let (p, g) = base_ptr(op, name, s, stream)?;
+    Ok((p + (start * s.dtype().size_in_bytes()) as u64, g))
+}
+
+/// Like [`ptr`] for a tensor whose rows (last dim) are contiguous but may be spaced apart, as a
+/// slice of a wider tensor is: also returns the row stride in elements.
+pub(crate) fn rows_ptr<'a>(
+    op: &str,
+    name: &str,
+    s: &'a CudaStorage,
+    l: &Layout,
+    stream: &'a CudaStream,
+) -> Result<(u64, i64, SyncOnDrop<'a>)> {
+    let (dims, strides) = (l.dims(), l.stride());
+    let rank = dims.len();
+    let row = dims.last().copied().unwrap_or(1);
+    let last_ok = rank == 0 || row == 1 || strides[rank - 1] == 1;
+    let uniform = (0..rank.saturating_sub(2))
+        .all(|k| dims[k] == 1 || strides[k] == strides[k + 1] * dims[k + 1]);
+    if !last_ok || !uniform {
+        bail!("{op}: {name} must have contiguous rows and one row stride, got strides {strides:?} for shape {dims:?}")
+    }
+    let row_stride = if rank >= 2 { strides[rank - 2] } else { row };
+    let (p, g) = base_ptr(op, name, s, stream)?;
+    Ok((
+        p + (l.start_offset() * s.dtype().size_in_bytes()) as u64,
+        row_stride as i64,
+        g,
+    ))
+}
+
+/// A tensor held by an op (not one of its candle arguments), locked for the launch.
+pub(crate) struct Held<'a> {
+    pub guard: candle_core::StorageRef<'a>,
+    pub layout: &'a Layout,
+}
+
+impl<'a> Held<'a> {
+    pub fn new(t: &'a Tensor) -> Self {
+        let (guard, layout) = t.storage_and_layout();
+        Self { guard, layout }
+    }
+
+    pub fn cuda(&self, op: &str, name: &str) -> Result<&CudaStorage> {
+        match &*self.guard {
+            Storage::Cuda(s) => Ok(s),
+            _ => bail!("{op}: {name} is not on the CUDA device of the other inputs"),
+        }
+    }
+}
+
+/// A fresh output of `len` elements of `dtype`, poisoned with NaN when `MAMBA2_POISON=1`.
+pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
+    let s = match dtype {
+        DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(len)? }, dev.clone()),
+        DType::F16 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::f16>(len)? }, dev.clone())
+        }
+        DType::BF16 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::bf16>(len)? }, dev.clone())
+        }
+        dt => bail!("no CUDA output of dtype {dt:?}"),
+    };
+    static POISON: OnceLock<bool> = OnceLock::new();
+    if *POISON.get_or_init(|| std::env::var("MAMBA2_POISON").is_ok_and(|v| v == "1")) && len > 0 {
+        let stream = dev.cuda_stream();
+        let l = Layout::contiguous(len);
+        let (p, _g) = ptr("alloc", "output", &s, &l, &stream)?;
+        // SAFETY: `p` addresses the `len · size` bytes just allocated on this stream.
+        unsafe {
+            result::memset_d8_async(p, 0xFF, len * dtype.size_in_bytes(), stream.cu_stream()).w()?
+        };
+    }
+    Ok(s)
+}
+
+pub(crate) fn launch(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[&dyn Arg],
+) -> Result<()> {
+    let mut b = stream.launch_builder(f);
+    for a in args {
+        a.push(&mut b);
+    }
+    // SAFETY: every kernel's parameter list matches the argument order its launcher builds, and
+    // every pointer addresses a live, contiguous buffer of the size the kernel indexes.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// A kernel argument: pushed by value.
+pub(crate) trait Arg {
+    fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
+}
+impl<T: DeviceRepr> Arg for T {
+    fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
+        b.arg(self);
+    }
+}
+
+pub(crate) fn cfg(grid: (u32, u32, u32), block: (u32, u32, u32), smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: block,
+        shared_mem_bytes: smem as u32,
+    }
+}
+
+pub(crate) fn i(v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("dimension {v} exceeds i32")))
+}

@@ -1,0 +1,100 @@
+//! Launchers of the gated RMSNorm (one program per row and group) and of residual add + RMSNorm
+//! (one program per row). The gate z may be a slice of in_proj's output: its row stride is passed.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
+
+use super::{alloc, cfg, dtype_name, function, i, launch, ptr, rows_ptr, Held, RMS_NORM};
+use crate::add_rms_norm::AddRmsNorm;
+use crate::gated_rms_norm::GatedRmsNorm;
+
+/// Threads per row program: a multiple of 32 up to 256, no more than the row needs.
+fn threads(len: usize) -> u32 {
+    (len.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+pub(crate) fn gated_rms_norm(
+    norm: &GatedRmsNorm,
+    x_s: &CudaStorage,
+    x_l: &Layout,
+    z_s: &CudaStorage,
+    z_l: &Layout,
+    w_s: &CudaStorage,
+    w_l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let op = "gated_rms_norm";
+    let dim = w_l.shape().elem_count();
+    let rows = x_l.shape().elem_count() / dim;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let y = alloc(dev, x_s.dtype(), rows * dim)?;
+    let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
+    let (z_p, z_stride, _g2) = rows_ptr(op, "z", z_s, z_l, &stream)?;
+    let (w_p, _g3) = ptr(op, "weight", w_s, w_l, &stream)?;
+    let y_p = ptr(op, "y", &y, &Layout::contiguous(rows * dim), &stream)?.0;
+    let f = function(
+        &stream,
+        RMS_NORM,
+        &format!("gated_rms_norm_{}", dtype_name(op, x_s.dtype())?),
+    )?;
+    let (dd, group) = (i(dim)?, i(norm.group_size)?);
+    let grid = (rows as u32, (dim / norm.group_size) as u32, 1);
+    launch(
+        &stream,
+        &f,
+        cfg(grid, (threads(norm.group_size), 1, 1), 0),
+        &[&x_p, &z_p, &w_p, &y_p, &dd, &group, &z_stride, &norm.eps],
+    )?;
+    Ok((y, x_l.shape().clone()))
+}
+
+pub(crate) fn add_rms_norm(
+    norm: &AddRmsNorm,
+    x_s: &CudaStorage,
+    x_l: &Layout,
+    w_s: &CudaStorage,
+    w_l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let op = "add_rms_norm";
+    let dim = w_l.shape().elem_count();
+    let rows = x_l.shape().elem_count() / dim;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let y = alloc(dev, x_s.dtype(), rows * dim)?;
+    let res_out = alloc(dev, norm.residual_dtype, rows * dim)?;
+    let residual = norm.residual.as_ref().map(Held::new);
+    let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
+    let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
+    let res_p = match &residual {
+        Some(h) => ptr(op, "residual", h.cuda(op, "residual")?, h.layout, &stream)?.0,
+        None => 0,
+    };
+    let y_p = ptr(op, "y", &y, &Layout::contiguous(rows * dim), &stream)?.0;
+    let ro_p = ptr(
+        op,
+        "residual",
+        &res_out,
+        &Layout::contiguous(rows * dim),
+        &stream,
+    )?
+    .0;
+    let kind = match norm.residual_dtype {
+        DType::F32 => "res_f32",
+        dt if dt == x_s.dtype() => "res_same",
+        dt => bail!("{op}: residual must be f32 or x's dtype, got {dt:?}"),
+    };
+    let f = function(
+        &stream,
+        RMS_NORM,
+        &format!("add_rms_norm_{}_{kind}", dtype_name(op, x_s.dtype())?),
+    )?;
+    let dd = i(dim)?;
+    launch(
+        &stream,
+        &f,
+        cfg((rows as u32, 1, 1), (threads(dim), 1, 1), 0),
+        &[&x_p, &res_p, &w_p, &y_p, &ro_p, &dd, &norm.eps],
+    )?;
+    norm.residual_out.put(op, Storage::Cuda(res_out))?;
+    Ok((y, x_l.shape().clone()))
+}

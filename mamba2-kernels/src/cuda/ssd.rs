@@ -1,0 +1,398 @@
+//! Launchers of the SSD ops. Dispatch: bf16/f16 values on the tensor-core kernels when
+//! P % 32 == 0 and N % 16 == 0 (and the chunk fits the MMA tiling); everything else — f32, odd
+//! sizes — on the SIMT kernels.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
+
+use super::{alloc, cfg, dtype_name, function, i, launch, max_smem, ptr, sm_count, Held};
+use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
+use crate::check::SsdDims;
+use crate::chunk_cumsum::ChunkCumsum;
+use crate::compute_out::ComputeOut;
+use crate::fwd_pass_state::FwdPassState;
+use crate::ssd_step::SsdStep;
+
+/// The dimensions as the SSD kernels read them.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KDims {
+    batch: i32,
+    seqlen: i32,
+    nheads: i32,
+    headdim: i32,
+    ngroups: i32,
+    dstate: i32,
+    chunk: i32,
+    nchunks: i32,
+    heads_per_block: i32,
+    d_per_channel: i32,
+}
+// SAFETY: plain old data of i32 fields, laid out as the kernels' `Dims` structs.
+unsafe impl DeviceRepr for KDims {}
+
+impl KDims {
+    fn new(d: &SsdDims, chunk: usize) -> Result<Self> {
+        Ok(Self {
+            batch: i(d.batch)?,
+            seqlen: i(d.seqlen)?,
+            nheads: i(d.nheads)?,
+            headdim: i(d.headdim)?,
+            ngroups: i(d.ngroups)?,
+            dstate: i(d.dstate)?,
+            chunk: i(chunk)?,
+            nchunks: i(d.nchunks(chunk))?,
+            heads_per_block: 1,
+            d_per_channel: 0,
+        })
+    }
+}
+
+pub(crate) fn chunk_cumsum(
+    op: &ChunkCumsum,
+    dt_s: &CudaStorage,
+    dt_l: &Layout,
+    a_s: &CudaStorage,
+    a_l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let name = "chunk_cumsum";
+    let &[batch, seqlen, nheads] = dt_l.dims() else {
+        bail!(
+            "{name}: dt must have rank 3 [B, L, H], got {:?}",
+            dt_l.dims()
+        )
+    };
+    let dev = &dt_s.device;
+    let stream = dev.cuda_stream();
+    let out = alloc(dev, DType::F32, 2 * batch * nheads * seqlen)?;
+    let bias = op.dt_bias.as_ref().map(Held::new);
+    let bias_s = bias.as_ref().map(|b| b.cuda(name, "dt_bias")).transpose()?;
+    let (dt_p, _g1) = ptr(name, "dt", dt_s, dt_l, &stream)?;
+    let (a_p, _g2) = ptr(name, "a", a_s, a_l, &stream)?;
+    let (bias_p, _g3) = match (&bias, bias_s) {
+        (Some(h), Some(s)) => {
+            let (p, g) = ptr(name, "dt_bias", s, h.layout, &stream)?;
+            (p, Some(g))
+        }
+        _ => (0u64, None),
+    };
+    let out_p = ptr(
+        name,
+        "out",
+        &out,
+        &Layout::contiguous(2 * batch * nheads * seqlen),
+        &stream,
+    )?
+    .0;
+    let f = function(
+        &stream,
+        CHUNK_CUMSUM,
+        &format!("chunk_cumsum_{}", dtype_name(name, dt_s.dtype())?),
+    )?;
+    let warps = nheads.min(8);
+    let grid = (
+        i(seqlen.div_ceil(op.chunk_size))? as u32,
+        batch as u32,
+        nheads.div_ceil(warps) as u32,
+    );
+    let (softplus, lo, hi) = (op.dt_softplus as i32, op.dt_limit.0, op.dt_limit.1);
+    let (b, l, h, c) = (i(batch)?, i(seqlen)?, i(nheads)?, i(op.chunk_size)?);
+    launch(
+        &stream,
+        &f,
+        cfg(grid, (32, warps as u32, 1), 0),
+        &[
+            &dt_p, &a_p, &bias_p, &out_p, &b, &l, &h, &c, &softplus, &lo, &hi,
+        ],
+    )?;
+    Ok((out, Shape::from((2, batch, nheads, seqlen))))
+}
+
+pub(crate) fn fwd_pass_state(
+    op: &FwdPassState,
+    x_s: &CudaStorage,
+    x_l: &Layout,
+    b_s: &CudaStorage,
+    b_l: &Layout,
+    dt_s: &CudaStorage,
+    dt_l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let name = "fwd_pass_state";
+    let d = op.dims;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let chunk = op.chunk_size;
+    let nchunks = d.nchunks(chunk);
+    let total = d.batch * d.nheads * (nchunks + 1) * d.headdim * d.dstate;
+    let out = alloc(dev, op.state_dtype, total)?;
+    let da = Held::new(&op.da_cumsum);
+    let init = op.init_state.as_ref().map(Held::new);
+    let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
+    let (b_p, _g2) = ptr(name, "b", b_s, b_l, &stream)?;
+    let (dt_p, _g3) = ptr(name, "dt_out", dt_s, dt_l, &stream)?;
+    let (da_p, _g4) = ptr(
+        name,
+        "da_cumsum",
+        da.cuda(name, "da_cumsum")?,
+        da.layout,
+        &stream,
+    )?;
+    let init_s = init
+        .as_ref()
+        .map(|h| h.cuda(name, "init_state"))
+        .transpose()?;
+    let (init_p, _g5) = match (&init, init_s) {
+        (Some(h), Some(s)) => {
+            let (p, g) = ptr(name, "init_state", s, h.layout, &stream)?;
+            (p, Some(g))
+        }
+        _ => (0u64, None),
+    };
+    let out_p = ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0;
+    let kd = KDims::new(&d, chunk)?;
+    let (t, s) = (
+        dtype_name(name, x_s.dtype())?,
+        dtype_name(name, op.state_dtype)?,
+    );
+    let mma = matches!(x_s.dtype(), DType::BF16 | DType::F16)
+        && d.headdim % 32 == 0
+        && d.dstate % 16 == 0;
+    let bh = (d.batch * d.nheads) as u32;
+    if mma {
+        let warps = if d.headdim % 64 == 0 { 4 } else { 2 };
+        let ptile = 16 * warps;
+        let target = 2 * sm_count(&stream)?;
+        let nt = [64, 32, 16]
+            .into_iter()
+            .filter(|nt| d.dstate % nt == 0)
+            .find(|nt| (d.dstate / nt) * (d.headdim / ptile) * d.batch * d.nheads >= target)
+            .unwrap_or(16);
+        // Three pipeline stages of x, b, d and dt tiles (the kernel's STAGES).
+        let smem = 3 * (chunk * (ptile + 8) * 2 + chunk * (nt + 8) * 2 + 2 * chunk * 4);
+        if smem <= max_smem(&stream)? {
+            let f = function(
+                &stream,
+                FWD_PASS_STATE,
+                &format!("fwd_pass_state_mma_{t}_{s}_w{warps}_n{nt}"),
+            )?;
+            let grid = ((d.dstate / nt) as u32, (d.headdim / ptile) as u32, bh);
+            launch(
+                &stream,
+                &f,
+                cfg(grid, (32 * warps as u32, 1, 1), smem),
+                &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd],
+            )?;
+            return Ok((
+                out,
+                Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate)),
+            ));
+        }
+    }
+    let f = function(
+        &stream,
+        FWD_PASS_STATE,
+        &format!("fwd_pass_state_simt_{t}_{s}"),
+    )?;
+    let grid = ((d.headdim * d.dstate).div_ceil(256) as u32, bh, 1);
+    launch(
+        &stream,
+        &f,
+        cfg(grid, (256, 1, 1), chunk * 4),
+        &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd],
+    )?;
+    Ok((
+        out,
+        Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate)),
+    ))
+}
+
+pub(crate) fn compute_out(
+    op: &ComputeOut,
+    x_s: &CudaStorage,
+    x_l: &Layout,
+    c_s: &CudaStorage,
+    c_l: &Layout,
+    st_s: &CudaStorage,
+    st_l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let name = "compute_out";
+    let d = op.dims;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let chunk = op.chunk_size;
+    let nchunks = d.nchunks(chunk);
+    let total = d.batch * d.seqlen * d.nheads * d.headdim;
+    let out = alloc(dev, x_s.dtype(), total)?;
+    let (b, dt, da) = (
+        Held::new(&op.b),
+        Held::new(&op.dt_out),
+        Held::new(&op.da_cumsum),
+    );
+    let dskip = op.d.as_ref().map(Held::new);
+    let z = op.z.as_ref().map(Held::new);
+    let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
+    let (c_p, _g2) = ptr(name, "c", c_s, c_l, &stream)?;
+    let (st_p, _g3) = ptr(name, "states", st_s, st_l, &stream)?;
+    let (b_p, _g4) = ptr(name, "b", b.cuda(name, "b")?, b.layout, &stream)?;
+    let (dt_p, _g5) = ptr(name, "dt_out", dt.cuda(name, "dt_out")?, dt.layout, &stream)?;
+    let (da_p, _g6) = ptr(
+        name,
+        "da_cumsum",
+        da.cuda(name, "da_cumsum")?,
+        da.layout,
+        &stream,
+    )?;
+    let d_storage = dskip.as_ref().map(|h| h.cuda(name, "D")).transpose()?;
+    let (d_p, _g7) = match (&dskip, d_storage) {
+        (Some(h), Some(s)) => {
+            let (p, g) = ptr(name, "D", s, h.layout, &stream)?;
+            (p, Some(g))
+        }
+        _ => (0u64, None),
+    };
+    let z_storage = z.as_ref().map(|h| h.cuda(name, "z")).transpose()?;
+    let (z_p, _g8) = match (&z, z_storage) {
+        (Some(h), Some(s)) => {
+            let (p, g) = ptr(name, "z", s, h.layout, &stream)?;
+            (p, Some(g))
+        }
+        _ => (0u64, None),
+    };
+    let y_p = ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0;
+    let mut kd = KDims::new(&d, chunk)?;
+    kd.d_per_channel = op.d.as_ref().is_some_and(|t| t.rank() == 2) as i32;
+    let (t, s) = (
+        dtype_name(name, x_s.dtype())?,
+        dtype_name(name, st_s.dtype())?,
+    );
+    let mma = matches!(x_s.dtype(), DType::BF16 | DType::F16)
+        && d.headdim % 32 == 0
+        && d.dstate % 16 == 0
+        && chunk % 32 == 0
+        && chunk >= 64;
+    if mma {
+        let ptile = if d.headdim % 64 == 0 { 64 } else { 32 };
+        let smem = 2 * chunk * (d.dstate + 8) * 2
+            + chunk * (ptile + 8) * 2
+            + ptile * (d.dstate + 8) * 2
+            + 2 * chunk * 4;
+        if smem <= max_smem(&stream)? {
+            let target = 2 * sm_count(&stream)?;
+            let hpg = d.heads_per_group();
+            let mut hb = 1;
+            while hpg % (hb * 2) == 0 && nchunks * d.batch * d.nheads / (hb * 2) >= target {
+                hb *= 2;
+            }
+            kd.heads_per_block = i(hb)?;
+            let f = function(
+                &stream,
+                COMPUTE_OUT,
+                &format!("compute_out_mma_{t}_{s}_p{ptile}"),
+            )?;
+            let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
+            launch(
+                &stream,
+                &f,
+                cfg(grid, (chunk as u32, 1, 1), smem),
+                &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
+            )?;
+            return Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))));
+        }
+    }
+    let f = function(&stream, COMPUTE_OUT, &format!("compute_out_simt_{t}_{s}"))?;
+    let grid = (nchunks as u32, (d.batch * d.nheads) as u32, 1);
+    launch(
+        &stream,
+        &f,
+        cfg(grid, (256, 1, 1), 16 * chunk * 4),
+        &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
+    )?;
+    Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
+}
+
+/// The dimensions as the step kernel reads them.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct StepDims {
+    batch: i32,
+    nheads: i32,
+    headdim: i32,
+    ngroups: i32,
+    dstate: i32,
+    softplus: i32,
+    d_per_channel: i32,
+    lo: f32,
+    hi: f32,
+}
+// SAFETY: plain old data laid out as the step kernel's `Dims` struct.
+unsafe impl DeviceRepr for StepDims {}
+
+pub(crate) fn ssd_step(
+    op: &SsdStep,
+    st_s: &mut CudaStorage,
+    st_l: &Layout,
+    x_s: &CudaStorage,
+    x_l: &Layout,
+    dt_s: &CudaStorage,
+    dt_l: &Layout,
+) -> Result<CudaStorage> {
+    let name = "ssd_step";
+    let d = op.dims;
+    let dev = x_s.device.clone();
+    let stream = dev.cuda_stream();
+    let total = d.batch * d.nheads * d.headdim;
+    let out = alloc(&dev, x_s.dtype(), total)?;
+    let (a, b, c) = (Held::new(&op.a), Held::new(&op.b), Held::new(&op.c));
+    let bias = op.dt_bias.as_ref().map(Held::new);
+    let dskip = op.d.as_ref().map(Held::new);
+    let z = op.z.as_ref().map(Held::new);
+    let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
+    let (dt_p, _g2) = ptr(name, "dt", dt_s, dt_l, &stream)?;
+    let (a_p, _g3) = ptr(name, "a", a.cuda(name, "a")?, a.layout, &stream)?;
+    let (b_p, _g4) = ptr(name, "b", b.cuda(name, "b")?, b.layout, &stream)?;
+    let (c_p, _g5) = ptr(name, "c", c.cuda(name, "c")?, c.layout, &stream)?;
+    let optional = |h: &Option<Held>, what: &str| -> Result<u64> {
+        match h {
+            Some(h) => Ok(ptr(name, what, h.cuda(name, what)?, h.layout, &stream)?.0),
+            None => Ok(0),
+        }
+    };
+    let (bias_p, d_p, z_p) = (
+        optional(&bias, "dt_bias")?,
+        optional(&dskip, "D")?,
+        optional(&z, "z")?,
+    );
+    let y_p = ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0;
+    let state_dtype = st_s.dtype();
+    let (st_p, _g7) = ptr(name, "state", st_s, st_l, &stream)?;
+    let sd = StepDims {
+        batch: i(d.batch)?,
+        nheads: i(d.nheads)?,
+        headdim: i(d.headdim)?,
+        ngroups: i(d.ngroups)?,
+        dstate: i(d.dstate)?,
+        softplus: op.dt_softplus as i32,
+        d_per_channel: op.d.as_ref().is_some_and(|t| t.rank() == 2) as i32,
+        lo: op.dt_limit.0,
+        hi: op.dt_limit.1,
+    };
+    let vec = d.dstate % 4 == 0 && st_p % 16 == 0;
+    let fname = format!(
+        "ssd_step_{}_{}_{}",
+        dtype_name(name, x_s.dtype())?,
+        dtype_name(name, state_dtype)?,
+        if vec { "vec" } else { "scalar" }
+    );
+    let f = function(&stream, SSD_STEP, &fname)?;
+    let warps = d.headdim.clamp(1, 8) as u32;
+    launch(
+        &stream,
+        &f,
+        cfg(((d.batch * d.nheads) as u32, 1, 1), (32 * warps, 1, 1), 0),
+        &[
+            &st_p, &x_p, &dt_p, &a_p, &bias_p, &b_p, &c_p, &d_p, &z_p, &y_p, &sd,
+        ],
+    )?;
+    Ok(out)
+}

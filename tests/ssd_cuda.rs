@@ -1,0 +1,293 @@
+//! The CUDA SSD kernels against the f64 recurrence and the CPU ops (run on a GPU machine:
+//! `cargo test --release --features cuda --test ssd_cuda`). Outputs are poisoned with NaN before
+//! every kernel (`MAMBA2_POISON=1`), so an element a kernel fails to write fails the test.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use common::{rel_err, Problem, Rng, Spec};
+use mamba2::kernels::{self as k, reference};
+
+fn gpu() -> Device {
+    std::env::set_var("MAMBA2_POISON", "1");
+    Device::new_cuda(0).expect("a CUDA device")
+}
+
+/// f32 runs on the SIMT kernels (f32 arithmetic); bf16/f16 on tensor cores where the shape fits.
+fn tolerance(spec: &Spec) -> f64 {
+    let base: f64 = if spec.dtype == DType::F32 && spec.state_dtype == DType::F32 {
+        1e-4
+    } else {
+        1e-2
+    };
+    if spec.fast_decay {
+        base.max(2e-4)
+    } else {
+        base
+    }
+}
+
+/// Every stage and `ssd` on the GPU against the recurrence; returns the worst error seen.
+fn check(spec: &Spec, seed: u64) -> Result<f64> {
+    let dev = gpu();
+    let cpu = Problem::new(spec, &mut Rng::new(seed), &Device::Cpu)?;
+    let want = reference::ssd(&cpu.x, &cpu.dt, &cpu.a, &cpu.b, &cpu.c, &cpu.options())?;
+    let pb = cpu.to_device(&dev)?;
+    let opts = pb.options();
+    let tol = tolerance(spec);
+    let ctx = format!("{spec:?} seed {seed}");
+    let mut worst = 0f64;
+    let mut expect = |what: &str, got: &Tensor, want: &Tensor, tol: f64| -> Result<()> {
+        let e = rel_err(got, want)?;
+        worst = worst.max(e);
+        assert!(e <= tol, "{what} rel err {e:e} > {tol:e} for {ctx}");
+        Ok(())
+    };
+
+    let (dt_out, da) = k::chunk_cumsum(&pb.dt, &pb.a, &opts.dt, spec.chunk)?;
+    expect("chunk_cumsum dt_out", &dt_out, &want.dt_out, 1e-5)?;
+    expect("chunk_cumsum da_cumsum", &da, &want.da_cumsum, 1e-5)?;
+    let states = k::fwd_pass_state(
+        &pb.x,
+        &pb.b,
+        &dt_out,
+        &da,
+        pb.init.as_ref(),
+        spec.chunk,
+        spec.state_dtype,
+    )?;
+    expect("fwd_pass_state", &states, &want.chunk_states, tol)?;
+    let ref_states = want
+        .chunk_states
+        .to_dtype(spec.state_dtype)?
+        .to_device(&dev)?;
+    let y = k::compute_out(
+        &pb.x,
+        &pb.b,
+        &pb.c,
+        &dt_out,
+        &da,
+        &ref_states,
+        opts.d,
+        opts.z,
+        spec.chunk,
+    )?;
+    expect("compute_out", &y, &want.y, tol)?;
+    let (y, state) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &opts)?;
+    expect("ssd y", &y, &want.y, tol)?;
+    expect("ssd final state", &state, &want.final_state, tol)?;
+
+    // The CPU ops on the same inputs agree too.
+    let (y_cpu, s_cpu) = k::ssd(&cpu.x, &cpu.dt, &cpu.a, &cpu.b, &cpu.c, &cpu.options())?;
+    expect("ssd y vs cpu", &y, &y_cpu, tol)?;
+    expect("ssd state vs cpu", &state, &s_cpu, tol)?;
+    Ok(worst)
+}
+
+fn spec(
+    seqlen: usize,
+    nheads: usize,
+    ngroups: usize,
+    headdim: usize,
+    dstate: usize,
+    chunk: usize,
+    dtype: DType,
+) -> Spec {
+    let mut s = Spec::new(seqlen, nheads, ngroups, chunk);
+    s.headdim = headdim;
+    s.dstate = dstate;
+    s.dtype = dtype;
+    s.init_state = true;
+    s.d = 1;
+    s.z = true;
+    s.dt_bias = true;
+    s
+}
+
+#[test]
+fn tensor_core_shapes_match_reference() -> Result<()> {
+    let mut worst = 0f64;
+    let mut seed = 1000;
+    for dtype in [DType::BF16, DType::F16] {
+        for (headdim, dstate) in [(64, 128), (32, 64), (128, 16), (64, 256), (96, 32)] {
+            for (seqlen, chunk) in [(3 * 128 + 5, 128), (200, 64), (600, 256), (1, 128)] {
+                for state_dtype in [DType::F32, DType::BF16] {
+                    let mut s = spec(seqlen, 4, 2, headdim, dstate, chunk, dtype);
+                    s.state_dtype = state_dtype;
+                    s.d = (seed % 3) as u8;
+                    worst = worst.max(check(&s, seed)?);
+                    seed += 1;
+                }
+            }
+        }
+    }
+    println!("tensor-core paths: worst rel err {worst:e}");
+    Ok(())
+}
+
+#[test]
+fn simt_shapes_match_reference() -> Result<()> {
+    let mut worst = 0f64;
+    let mut seed = 2000;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        // P = 48 and N = 24 fall outside the tensor-core tiling; chunk 16 and 32 too.
+        for (headdim, dstate, chunk, seqlen) in [
+            (48, 16, 64, 150),
+            (64, 24, 128, 130),
+            (16, 16, 16, 77),
+            (64, 64, 32, 100),
+            (8, 16, 256, 300),
+        ] {
+            let mut s = spec(seqlen, 6, 3, headdim, dstate, chunk, dtype);
+            s.d = 2;
+            worst = worst.max(check(&s, seed)?);
+            seed += 1;
+        }
+    }
+    println!("SIMT paths: worst rel err {worst:e}");
+    Ok(())
+}
+
+#[test]
+fn fast_decay_and_groups_match_reference() -> Result<()> {
+    for (i, (ngroups, dtype)) in [(1, DType::BF16), (4, DType::BF16), (2, DType::F32)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut s = spec(1000, 8, ngroups, 64, 128, 128, dtype);
+        s.fast_decay = true;
+        s.dt_limit = Some((0.001, 2.0));
+        check(&s, 3000 + i as u64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn ssd_step_matches_reference() -> Result<()> {
+    let dev = gpu();
+    for (i, (dtype, state_dtype, dstate)) in [
+        (DType::F32, DType::F32, 128),
+        (DType::BF16, DType::F32, 128),
+        (DType::BF16, DType::BF16, 64),
+        (DType::F16, DType::F32, 13),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut s = spec(1, 8, 2, 64, dstate, 16, dtype);
+        s.state_dtype = state_dtype;
+        s.d = 2;
+        s.dt_limit = Some((0.01, 0.5));
+        let cpu = Problem::new(&s, &mut Rng::new(4000 + i as u64), &Device::Cpu)?;
+        let want = reference::ssd(&cpu.x, &cpu.dt, &cpu.a, &cpu.b, &cpu.c, &cpu.options())?;
+        let pb = cpu.to_device(&dev)?;
+        let state = pb.init.as_ref().expect("init_state set").copy()?;
+        let z = pb.z.as_ref().map(|z| z.i((.., 0))).transpose()?;
+        let opts = k::StepOptions {
+            z: z.as_ref(),
+            ..pb.step_options()
+        };
+        let y = k::ssd_step(
+            &state,
+            &pb.x.i((.., 0))?,
+            &pb.dt.i((.., 0))?,
+            &pb.a,
+            &pb.b.i((.., 0))?,
+            &pb.c.i((.., 0))?,
+            &opts,
+        )?;
+        let tol = if dtype == DType::F32 && state_dtype == DType::F32 {
+            1e-5
+        } else {
+            1e-2
+        };
+        let e = rel_err(&y, &want.y.i((.., 0))?)?;
+        assert!(e <= tol, "{dtype:?}/{state_dtype:?}: step y rel err {e:e}");
+        let e = rel_err(&state, &want.final_state)?;
+        assert!(
+            e <= tol,
+            "{dtype:?}/{state_dtype:?}: step state rel err {e:e}"
+        );
+    }
+    Ok(())
+}
+
+/// `ssd` over L tokens equals L calls of `ssd_step` on the GPU.
+#[test]
+fn ssd_equals_repeated_steps() -> Result<()> {
+    let dev = gpu();
+    let s = spec(70, 4, 2, 64, 64, 64, DType::F32);
+    let pb = Problem::new(&s, &mut Rng::new(5000), &Device::Cpu)?.to_device(&dev)?;
+    let (y_full, s_full) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &pb.options())?;
+    let state = pb.init.as_ref().expect("init_state set").copy()?;
+    let mut ys = Vec::new();
+    for t in 0..s.seqlen {
+        let z = pb.z.as_ref().map(|z| z.i((.., t))).transpose()?;
+        let opts = k::StepOptions {
+            z: z.as_ref(),
+            ..pb.step_options()
+        };
+        ys.push(
+            k::ssd_step(
+                &state,
+                &pb.x.i((.., t))?,
+                &pb.dt.i((.., t))?,
+                &pb.a,
+                &pb.b.i((.., t))?,
+                &pb.c.i((.., t))?,
+                &opts,
+            )?
+            .unsqueeze(1)?,
+        );
+    }
+    let e = rel_err(&Tensor::cat(&ys, 1)?, &y_full)?;
+    assert!(e <= 1e-4, "steps vs ssd y rel err {e:e}");
+    let e = rel_err(&state, &s_full)?;
+    assert!(e <= 1e-4, "steps vs ssd state rel err {e:e}");
+    Ok(())
+}
+
+/// Two runs on the same inputs give the same bits (no races between programs).
+#[test]
+fn repeated_runs_are_bit_identical() -> Result<()> {
+    let dev = gpu();
+    for (i, dtype) in [DType::BF16, DType::F32].into_iter().enumerate() {
+        let s = spec(2000, 8, 1, 64, 128, 128, dtype);
+        let pb = Problem::new(&s, &mut Rng::new(6000 + i as u64), &Device::Cpu)?.to_device(&dev)?;
+        let (y1, s1) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &pb.options())?;
+        let (y2, s2) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &pb.options())?;
+        let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
+            Ok(a.to_dtype(DType::F32)?
+                .ne(&b.to_dtype(DType::F32)?)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()?
+                == 0.0)
+        };
+        assert!(same(&y1, &y2)?, "{dtype:?}: y differs between runs");
+        assert!(same(&s1, &s2)?, "{dtype:?}: state differs between runs");
+    }
+    Ok(())
+}
+
+/// L = 1,048,576 tokens: finite outputs, and the final state agrees with the CPU ops.
+#[test]
+fn million_token_sequence_stays_finite() -> Result<()> {
+    let dev = gpu();
+    let mut s = spec(1 << 20, 2, 1, 64, 16, 256, DType::BF16);
+    s.batch = 1;
+    let cpu = Problem::new(&s, &mut Rng::new(7000), &Device::Cpu)?;
+    let pb = cpu.to_device(&dev)?;
+    let (y, state) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &pb.options())?;
+    let finite = |t: &Tensor| -> Result<bool> {
+        let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(v.iter().all(|x| x.is_finite()))
+    };
+    assert!(finite(&y)?, "y has non-finite values");
+    assert!(finite(&state)?, "final state has non-finite values");
+    let (_, s_cpu) = k::ssd(&cpu.x, &cpu.dt, &cpu.a, &cpu.b, &cpu.c, &cpu.options())?;
+    let e = rel_err(&state, &s_cpu)?;
+    assert!(e <= 1e-2, "final state vs cpu rel err {e:e}");
+    Ok(())
+}
