@@ -2,10 +2,32 @@
 //   y[b,t,d] = act(bias[d] + Σ_{k<K} w[d,k] · u[b, t−K+1+k, d]),  u = state (K values) ++ x
 // x rows (tokens) may be strided (a slice of in_proj's output): row r of batch b starts at
 // x + (b·L + r)·x_stride. weight [D,K], bias [D], state [B,D,K] (the last K inputs, oldest
-// first), y [B,L,D] contiguous; all of type T, f32 accumulation.
+// first); all of type T, f32 accumulation. The output is cut by channels into up to three
+// contiguous pieces (x, B and C of the mixer): channel d < s0 goes to y0 [rows, s0], the next s1
+// to y1 [rows, s1], the rest to y2 [rows, D − s0 − s1].
 #include "common.cuh"
 
 namespace {
+
+struct Out {
+  void* y0;
+  void* y1;
+  void* y2;
+  int s0, s1;
+};
+
+template <typename T>
+__device__ __forceinline__ void put(const Out& o, long row, int d, int D, float v) {
+  T* p;
+  if (d < o.s0) {
+    p = static_cast<T*>(o.y0) + row * o.s0 + d;
+  } else if (d < o.s0 + o.s1) {
+    p = static_cast<T*>(o.y1) + row * o.s1 + (d - o.s0);
+  } else {
+    p = static_cast<T*>(o.y2) + row * (D - o.s0 - o.s1) + (d - o.s0 - o.s1);
+  }
+  *p = m2::from_f<T>(v);
+}
 
 constexpr int TOKENS = 32;  // tokens per thread in the prefill kernel
 
@@ -19,9 +41,9 @@ __device__ __forceinline__ float input(const T* x, const T* st, int b, int t, in
 
 template <typename T>
 __device__ void conv_prefill(const T* __restrict__ x, const T* __restrict__ w,
-                             const T* __restrict__ bias, const T* __restrict__ st_in,
-                             T* __restrict__ y, T* __restrict__ st_out, int B, int L, int D, int K,
-                             long x_stride, int silu) {
+                             const T* __restrict__ bias, const T* __restrict__ st_in, Out y,
+                             T* __restrict__ st_out, int B, int L, int D, int K, long x_stride,
+                             int silu) {
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
   const int t0 = blockIdx.y * TOKENS, b = blockIdx.z;
   if (d >= D) return;
@@ -43,7 +65,7 @@ __device__ void conv_prefill(const T* __restrict__ x, const T* __restrict__ w,
         acc += m2::to_f(w[d * K + k]) * input(x, st_in, b, t - K + 1 + k, d, L, D, K, x_stride);
     }
     if (silu) acc = m2::silu(acc);
-    y[(static_cast<long>(b) * L + t) * D + d] = m2::from_f<T>(acc);
+    put<T>(y, static_cast<long>(b) * L + t, d, D, acc);
   }
   if (blockIdx.y == 0) {
     // The new state: the last K entries of u.
@@ -55,8 +77,8 @@ __device__ void conv_prefill(const T* __restrict__ x, const T* __restrict__ w,
 
 template <typename T>
 __device__ void conv_step(T* __restrict__ st, const T* __restrict__ x, const T* __restrict__ w,
-                          const T* __restrict__ bias, T* __restrict__ y, int B, int D, int K,
-                          long x_stride, int silu) {
+                          const T* __restrict__ bias, Out y, int B, int D, int K, long x_stride,
+                          int silu) {
   const int d = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
   if (d >= D) return;
   T* row = st + (static_cast<long>(b) * D + d) * K;
@@ -68,21 +90,21 @@ __device__ void conv_step(T* __restrict__ st, const T* __restrict__ x, const T* 
     row[k] = m2::from_f<T>(u);
   }
   if (silu) acc = m2::silu(acc);
-  y[static_cast<long>(b) * D + d] = m2::from_f<T>(acc);
+  put<T>(y, b, d, D, acc);
 }
 
 }  // namespace
 
-#define CONV(T, TN)                                                                               \
-  extern "C" __global__ void causal_conv1d_##TN(const T* x, const T* w, const T* bias,             \
-                                                const T* st_in, T* y, T* st_out, int B, int L,     \
-                                                int D, int K, long x_stride, int silu) {           \
-    conv_prefill<T>(x, w, bias, st_in, y, st_out, B, L, D, K, x_stride, silu);                   \
-  }                                                                                               \
-  extern "C" __global__ void causal_conv1d_step_##TN(T* st, const T* x, const T* w, const T* bias, \
-                                                     T* y, int B, int D, int K, long x_stride,     \
-                                                     int silu) {                                   \
-    conv_step<T>(st, x, w, bias, y, B, D, K, x_stride, silu);                                     \
+#define CONV(T, TN)                                                                              \
+  extern "C" __global__ void causal_conv1d_##TN(const T* x, const T* w, const T* bias,            \
+                                                const T* st_in, Out y, T* st_out, int B, int L,   \
+                                                int D, int K, long x_stride, int silu) {          \
+    conv_prefill<T>(x, w, bias, st_in, y, st_out, B, L, D, K, x_stride, silu);                  \
+  }                                                                                              \
+  extern "C" __global__ void causal_conv1d_step_##TN(T* st, const T* x, const T* w,              \
+                                                     const T* bias, Out y, int B, int D, int K,   \
+                                                     long x_stride, int silu) {                   \
+    conv_step<T>(st, x, w, bias, y, B, D, K, x_stride, silu);                                    \
   }
 CONV(float, f32)
 CONV(__half, f16)

@@ -2,13 +2,15 @@
 //   dt_out[b,h,l] = clamp(softplus(dt[b,l,h] + bias[h]))
 //   da[b,h,l]     = log2(e)·Σ_{s = chunk start..l} a[h]·dt_out[b,h,s]
 // One warp per (batch, chunk, head): lanes own consecutive tokens, a warp scan joins them.
-// Outputs are [B,H,L] f32: out = dt_out, out + B·H·L = da.
+// dt rows (tokens) may be strided (a slice of in_proj's output): token l of batch b starts at
+// dt + (b·L + l)·dt_stride. Outputs are [B,H,L] f32: out = dt_out, out + B·H·L = da.
 #include "common.cuh"
 
 template <typename T>
 __device__ void chunk_cumsum(const T* __restrict__ dt, const float* __restrict__ a,
                              const float* __restrict__ bias, float* __restrict__ out, int batch,
-                             int seqlen, int nheads, int chunk, int softplus, float lo, float hi) {
+                             int seqlen, int nheads, int chunk, int softplus, float lo, float hi,
+                             long dt_stride) {
   const int h = blockIdx.z * blockDim.y + threadIdx.y;
   const int c = blockIdx.x, b = blockIdx.y, lane = threadIdx.x;
   if (h >= nheads) return;
@@ -23,7 +25,7 @@ __device__ void chunk_cumsum(const T* __restrict__ dt, const float* __restrict__
     const int t = base + lane;
     float v = 0.f;
     if (t < len) {
-      const size_t src = (static_cast<size_t>(b) * seqlen + l0 + t) * nheads + h;
+      const size_t src = (static_cast<size_t>(b) * seqlen + l0 + t) * dt_stride + h;
       v = m2::process_dt(m2::to_f(dt[src]), bh, softplus, lo, hi);
     }
     float s = ah * v;
@@ -41,11 +43,12 @@ __device__ void chunk_cumsum(const T* __restrict__ dt, const float* __restrict__
   }
 }
 
-#define CHUNK_CUMSUM(NAME, T)                                                                 \
-  extern "C" __global__ void NAME(const T* dt, const float* a, const float* bias, float* out, \
-                                  int batch, int seqlen, int nheads, int chunk, int softplus,  \
-                                  float lo, float hi) {                                        \
-    chunk_cumsum<T>(dt, a, bias, out, batch, seqlen, nheads, chunk, softplus, lo, hi);         \
+#define CHUNK_CUMSUM(NAME, T)                                                               \
+  extern "C" __global__ void NAME(const T* dt, const float* a, const float* bias, float* out,  \
+                                  int batch, int seqlen, int nheads, int chunk, int softplus,   \
+                                  float lo, float hi, long dt_stride) {                         \
+    chunk_cumsum<T>(dt, a, bias, out, batch, seqlen, nheads, chunk, softplus, lo, hi,           \
+                    dt_stride);                                                                  \
   }
 CHUNK_CUMSUM(chunk_cumsum_f32, float)
 CHUNK_CUMSUM(chunk_cumsum_f16, __half)

@@ -1,7 +1,8 @@
 // One decode token, state updated in place (mamba_ssm's selective_state_update):
 //   dt = clamp(softplus(dt + bias)), h ← exp(a·dt)·h + dt·x Bᵀ, y = h C + D·x, · silu(z)
 // state [B,H,P,N] (S = f32 or bf16), x/z/y [B,H,P], dt [B,H], b/c [B,G,N] (T), a/bias [H] and
-// D [H] or [H,P] f32. One program per (batch, head); warp w owns rows p = w, w+8, ...; each lane
+// D [H] or [H,P] f32. x, dt, b, c and z may have strided batch rows (slices of in_proj's or the
+// conv's output): row b starts at b·stride. One program per (batch, head); warp w owns rows p = w, w+8, ...; each lane
 // owns 4 consecutive state columns (16-byte accesses when N % 4 == 0), a warp sum forms y.
 #include "common.cuh"
 
@@ -10,6 +11,7 @@ namespace {
 struct Dims {
   int batch, nheads, headdim, ngroups, dstate, softplus, d_per_channel;
   float lo, hi;
+  long x_stride, dt_stride, b_stride, c_stride, z_stride;
 };
 
 template <typename S> struct Vec4;
@@ -43,13 +45,15 @@ __device__ void ssd_step(S* __restrict__ state, const T* __restrict__ x, const T
   const int g = h / (D.nheads / D.ngroups);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   const int N = D.dstate, P = D.headdim;
-  const float step = m2::process_dt(m2::to_f(dt[bh]), bias ? bias[h] : 0.f, D.softplus, D.lo, D.hi);
+  const float step = m2::process_dt(m2::to_f(dt[b * D.dt_stride + h]), bias ? bias[h] : 0.f,
+                                    D.softplus, D.lo, D.hi);
   const float decay = __expf(a[h] * step);
-  const T* bg = bm + (static_cast<size_t>(b) * D.ngroups + g) * N;
-  const T* cg = cm + (static_cast<size_t>(b) * D.ngroups + g) * N;
+  const T* bg = bm + b * D.b_stride + static_cast<size_t>(g) * N;
+  const T* cg = cm + b * D.c_stride + static_cast<size_t>(g) * N;
+  const T* xh = x + b * D.x_stride + static_cast<size_t>(h) * P;
   S* sh = state + static_cast<size_t>(bh) * P * N;
   for (int p = warp; p < P; p += warps) {
-    const float xv = m2::to_f(x[static_cast<size_t>(bh) * P + p]);
+    const float xv = m2::to_f(xh[p]);
     const float dx = step * xv;
     S* row = sh + static_cast<size_t>(p) * N;
     float acc = 0.f;
@@ -75,9 +79,8 @@ __device__ void ssd_step(S* __restrict__ state, const T* __restrict__ x, const T
     acc = m2::warp_sum(acc);
     if (lane == 0) {
       if (dskip) acc += (D.d_per_channel ? dskip[h * P + p] : dskip[h]) * xv;
-      const size_t o = static_cast<size_t>(bh) * P + p;
-      if (z) acc *= m2::silu(m2::to_f(z[o]));
-      y[o] = m2::from_f<T>(acc);
+      if (z) acc *= m2::silu(m2::to_f(z[b * D.z_stride + static_cast<size_t>(h) * P + p]));
+      y[static_cast<size_t>(bh) * P + p] = m2::from_f<T>(acc);
     }
   }
 }

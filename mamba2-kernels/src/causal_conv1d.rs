@@ -64,6 +64,10 @@ pub(crate) struct CausalConv1d {
     pub bias: Option<Tensor>,
     pub silu: bool,
     pub dims: ConvDims,
+    /// Channel counts of the output pieces (sum D); piece 0 is the op's output.
+    pub split: Vec<usize>,
+    /// Pieces 1.. of the output.
+    pub rest: Vec<Slot>,
     pub state_out: Slot,
 }
 
@@ -140,7 +144,15 @@ impl CustomOp3 for CausalConv1d {
         let dtype = x_s.dtype();
         self.state_out
             .put(op, Storage::Cpu(cpu::from_f32(new_state, dtype)?))?;
-        Ok((cpu::from_f32(y, dtype)?, Shape::from((batch, seqlen, dim))))
+        let mut pieces = split_rows(&y, dim, &self.split).into_iter();
+        let first = pieces.next().unwrap_or_default();
+        for (slot, piece) in self.rest.iter().zip(pieces) {
+            slot.put(op, Storage::Cpu(cpu::from_f32(piece, dtype)?))?;
+        }
+        Ok((
+            cpu::from_f32(first, dtype)?,
+            Shape::from((batch, seqlen, self.split[0])),
+        ))
     }
 
     #[cfg(feature = "cuda")]
@@ -164,7 +176,10 @@ pub(crate) struct CausalConv1dStep {
     pub bias: Option<Tensor>,
     pub silu: bool,
     pub dims: ConvDims,
-    pub y: Slot,
+    /// Channel counts of the output pieces (sum D).
+    pub split: Vec<usize>,
+    /// The output pieces.
+    pub pieces: Vec<Slot>,
 }
 
 impl InplaceOp2 for CausalConv1dStep {
@@ -195,7 +210,10 @@ impl InplaceOp2 for CausalConv1dStep {
                 *yv = act(acc, self.silu);
             }
         })?;
-        self.y.put(op, Storage::Cpu(cpu::from_f32(y, x_s.dtype())?))
+        for (slot, piece) in self.pieces.iter().zip(split_rows(&y, dim, &self.split)) {
+            slot.put(op, Storage::Cpu(cpu::from_f32(piece, x_s.dtype())?))?;
+        }
+        Ok(())
     }
 
     #[cfg(feature = "cuda")]
@@ -206,8 +224,7 @@ impl InplaceOp2 for CausalConv1dStep {
         x_s: &candle_core::CudaStorage,
         x_l: &Layout,
     ) -> Result<()> {
-        let y = crate::cuda::causal_conv1d_step(self, st_s, st_l, x_s, x_l)?;
-        self.y.put(self.name(), Storage::Cuda(y))
+        crate::cuda::causal_conv1d_step(self, st_s, st_l, x_s, x_l)
     }
 }
 
@@ -237,6 +254,35 @@ fn check_params(
     Ok(width)
 }
 
+/// Checks that `split` cuts D channels into 1 to 3 non-empty pieces.
+fn check_split(op: &str, split: &[usize], dim: usize) -> Result<()> {
+    if split.is_empty()
+        || split.len() > 3
+        || split.contains(&0)
+        || split.iter().sum::<usize>() != dim
+    {
+        bail!("{op}: split must be 1 to 3 non-empty channel counts summing to D = {dim}, got {split:?}")
+    }
+    Ok(())
+}
+
+/// Splits rows of `dim` channels into contiguous pieces of `split` channels each.
+fn split_rows(y: &[f32], dim: usize, split: &[usize]) -> Vec<Vec<f32>> {
+    let rows = y.len() / dim;
+    let mut start = 0;
+    split
+        .iter()
+        .map(|&w| {
+            let piece = (0..rows)
+                .flat_map(|r| &y[r * dim + start..r * dim + start + w])
+                .copied()
+                .collect();
+            start += w;
+            piece
+        })
+        .collect()
+}
+
 /// Runs the causal conv over `x [B,L,D]` from `initial_state [B,D,K]` (zeros if `None`).
 ///
 /// `weight [D,K]`, bias and state in x's dtype. Returns `(y [B,L,D], new_state [B,D,K])`, both in
@@ -247,12 +293,31 @@ pub fn causal_conv1d(
     initial_state: Option<&Tensor>,
     opts: &ConvOptions,
 ) -> Result<(Tensor, Tensor)> {
+    let dim = x.dims().last().copied().unwrap_or(0);
+    let (mut ys, state) = causal_conv1d_split(x, weight, initial_state, opts, &[dim])?;
+    match ys.pop() {
+        Some(y) => Ok((y, state)),
+        None => bail!("causal_conv1d: no output"),
+    }
+}
+
+/// [`causal_conv1d`] with its output cut by channels into `split` (1 to 3 counts summing to D):
+/// returns the pieces `[B,L,split[i]]`, each contiguous, as the mixer wants x, B and C.
+/// On CUDA the rows of x may be a slice of a wider tensor (read in place).
+pub fn causal_conv1d_split(
+    x: &Tensor,
+    weight: &Tensor,
+    initial_state: Option<&Tensor>,
+    opts: &ConvOptions,
+    split: &[usize],
+) -> Result<(Vec<Tensor>, Tensor)> {
     let op = "causal_conv1d";
     let [batch, seqlen, dim] = check::rank::<3>(op, "x", x, "[B, L, D]")?;
     let width = check_params(op, x, weight, opts, dim)?;
     if batch == 0 || seqlen == 0 || dim == 0 {
         bail!("{op}: x has an empty dimension, shape {:?}", x.dims())
     }
+    check_split(op, split, dim)?;
     let state = match initial_state {
         Some(s) => {
             check::device(op, "initial_state", s, x)?;
@@ -271,13 +336,17 @@ pub fn causal_conv1d(
             dim,
             width,
         },
+        split: split.to_vec(),
+        rest: split[1..].iter().map(|_| Slot::default()).collect(),
         state_out: Slot::default(),
     };
-    let y = x
-        .contiguous()?
-        .apply_op3_no_bwd(&weight.contiguous()?, &state, &conv)?;
+    let first = check::rows_view(x)?.apply_op3_no_bwd(&weight.contiguous()?, &state, &conv)?;
+    let mut ys = vec![first];
+    for (slot, &w) in conv.rest.into_iter().zip(&split[1..]) {
+        ys.push(slot.take(op, "output piece", (batch, seqlen, w))?);
+    }
     let new_state = conv.state_out.take(op, "new state", (batch, dim, width))?;
-    Ok((y, new_state))
+    Ok((ys, new_state))
 }
 
 /// Advances `state [B,D,K]` by one token `x [B,D]` in place and returns the conv output `y [B,D]`.
@@ -289,12 +358,29 @@ pub fn causal_conv1d_step(
     weight: &Tensor,
     opts: &ConvOptions,
 ) -> Result<Tensor> {
+    let dim = x.dims().last().copied().unwrap_or(0);
+    match causal_conv1d_step_split(state, x, weight, opts, &[dim])?.pop() {
+        Some(y) => Ok(y),
+        None => bail!("causal_conv1d_step: no output"),
+    }
+}
+
+/// [`causal_conv1d_step`] with its output cut by channels into `split` (1 to 3 counts summing to
+/// D): returns the contiguous pieces `[B,split[i]]`. On CUDA the row of x may be a slice.
+pub fn causal_conv1d_step_split(
+    state: &Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    opts: &ConvOptions,
+    split: &[usize],
+) -> Result<Vec<Tensor>> {
     let op = "causal_conv1d_step";
     let [batch, dim] = check::rank::<2>(op, "x", x, "[B, D]")?;
     let width = check_params(op, x, weight, opts, dim)?;
     if batch == 0 || dim == 0 {
         bail!("{op}: x has an empty dimension, shape {:?}", x.dims())
     }
+    check_split(op, split, dim)?;
     check::device(op, "state", state, x)?;
     check::shape(op, "state", state, &[batch, dim, width], "[B, D, K]")?;
     check::same_dtype(op, "state", state, x)?;
@@ -311,8 +397,13 @@ pub fn causal_conv1d_step(
             dim,
             width,
         },
-        y: Slot::default(),
+        split: split.to_vec(),
+        pieces: split.iter().map(|_| Slot::default()).collect(),
     };
-    state.inplace_op2(&x.contiguous()?, &step)?;
-    step.y.take(op, "output", (batch, dim))
+    state.inplace_op2(&check::rows_view(x)?, &step)?;
+    step.pieces
+        .into_iter()
+        .zip(split)
+        .map(|(slot, &w)| slot.take(op, "output piece", (batch, w)))
+        .collect()
 }

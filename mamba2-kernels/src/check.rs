@@ -1,7 +1,7 @@
 //! Input validation shared by the ops: every bad input becomes an error that names the op, the
 //! tensor and the problem (rank, dimension, dtype, device, contiguity).
 
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, DType, Layout, Result, Tensor};
 
 /// The dimensions of an SSD problem, read off `x [B,L,H,P]` and `b [B,L,G,N]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -240,4 +240,26 @@ pub(crate) fn eps(op: &str, eps: f64) -> Result<()> {
         bail!("{op}: eps must be finite and >= 0, got {eps}")
     }
     Ok(())
+}
+
+/// The row stride of a layout whose rows (last dim) are contiguous and evenly spaced, as in a
+/// slice of a wider tensor; `None` for any other layout.
+pub(crate) fn row_stride(l: &Layout) -> Option<usize> {
+    let (dims, strides) = (l.dims(), l.stride());
+    let rank = dims.len();
+    let row = dims.last().copied().unwrap_or(1);
+    let last_ok = rank == 0 || row == 1 || strides[rank - 1] == 1;
+    let even = (0..rank.saturating_sub(2))
+        .all(|k| dims[k] == 1 || strides[k] == strides[k + 1] * dims[k + 1]);
+    (last_ok && even).then(|| if rank >= 2 { strides[rank - 2] } else { row })
+}
+
+/// `t` itself where the CUDA kernels read it in place (rows contiguous, one row stride), else a
+/// contiguous copy; the CPU implementations always get contiguous tensors.
+pub(crate) fn rows_view(t: &Tensor) -> Result<Tensor> {
+    if t.device().is_cuda() && row_stride(t.layout()).is_some() {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
 }

@@ -104,8 +104,6 @@ pub fn chunk_cumsum(
         dt_limit: opts.limit,
         chunk_size,
     };
-    let both = dt
-        .contiguous()?
-        .apply_op2_no_bwd(&a.contiguous()?, &stage)?;
+    let both = check::rows_view(dt)?.apply_op2_no_bwd(&a.contiguous()?, &stage)?;
     Ok((both.get(0)?, both.get(1)?))
 }

@@ -105,5 +105,5 @@ pub fn gated_rms_norm(
         eps: eps as f32,
     };
     x.contiguous()?
-        .apply_op3_no_bwd(&z.contiguous()?, &weight.contiguous()?, &norm)
+        .apply_op3_no_bwd(&check::rows_view(z)?, &weight.contiguous()?, &norm)
 }

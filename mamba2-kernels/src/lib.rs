@@ -38,7 +38,9 @@ mod ssd;
 mod ssd_step;
 
 pub use add_rms_norm::add_rms_norm;
-pub use causal_conv1d::{causal_conv1d, causal_conv1d_step, ConvOptions};
+pub use causal_conv1d::{
+    causal_conv1d, causal_conv1d_split, causal_conv1d_step, causal_conv1d_step_split, ConvOptions,
+};
 pub use chunk_cumsum::chunk_cumsum;
 pub use compute_out::compute_out;
 pub use dt::DtOptions;

@@ -254,17 +254,17 @@ pub fn ssd_step(
     }
     let step = SsdStep {
         a: a.contiguous()?,
-        b: b.contiguous()?,
-        c: c.contiguous()?,
+        b: check::rows_view(b)?,
+        c: check::rows_view(c)?,
         d: opts.d.map(|d| d.contiguous()).transpose()?,
-        z: opts.z.map(|z| z.contiguous()).transpose()?,
+        z: opts.z.map(check::rows_view).transpose()?,
         dt_bias: opts.dt.bias.map(|t| t.contiguous()).transpose()?,
         dt_softplus: opts.dt.softplus,
         dt_limit: opts.dt.limit,
         dims,
         y: Mutex::new(None),
     };
-    state.inplace_op3(&x.contiguous()?, &dt.contiguous()?, &step)?;
+    state.inplace_op3(&check::rows_view(x)?, &check::rows_view(dt)?, &step)?;
     let y = match step.y.into_inner() {
         Ok(Some(y)) => y,
         _ => bail!("{op}: the step produced no output"),

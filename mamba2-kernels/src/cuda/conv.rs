@@ -1,8 +1,10 @@
 //! Launchers of the causal conv1d (prefill and one-token step). The input rows may be a slice of a
-//! wider tensor (xBC inside in_proj's output): the kernels take their row stride.
+//! wider tensor (xBC inside in_proj's output): the kernels take their row stride. The output is
+//! written as up to three contiguous pieces cut by channels (the mixer's x, B and C).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CudaStorage, Layout, Result, Shape, Storage};
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage};
 
 use super::{alloc, cfg, dtype_name, function, i, launch, ptr, rows_ptr, Held, CAUSAL_CONV1D};
 use crate::causal_conv1d::{CausalConv1d, CausalConv1dStep};
@@ -10,13 +12,49 @@ use crate::causal_conv1d::{CausalConv1d, CausalConv1dStep};
 const THREADS: usize = 128;
 const TOKENS: usize = 32;
 
-/// Optional tensor → (device address or 0, its lock).
-fn optional<'a>(
+/// The output pieces as the kernels read them: up to three buffers cut at s0 and s0 + s1.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Out {
+    y0: u64,
+    y1: u64,
+    y2: u64,
+    s0: i32,
+    s1: i32,
+}
+// SAFETY: plain old data laid out as the kernels' `Out` struct.
+unsafe impl DeviceRepr for Out {}
+
+/// Allocates the pieces of `rows` rows cut by `split`, and their kernel descriptor.
+fn pieces(
     op: &str,
-    name: &str,
-    h: &'a Option<Held<'a>>,
-    stream: &'a candle_core::cuda_backend::cudarc::driver::CudaStream,
-) -> Result<u64> {
+    dev: &CudaDevice,
+    stream: &CudaStream,
+    dtype: DType,
+    rows: usize,
+    split: &[usize],
+) -> Result<(Vec<CudaStorage>, Out)> {
+    let bufs = split
+        .iter()
+        .map(|&w| alloc(dev, dtype, rows * w))
+        .collect::<Result<Vec<_>>>()?;
+    let mut p = [0u64; 3];
+    for (k, (b, &w)) in bufs.iter().zip(split).enumerate() {
+        p[k] = ptr(op, "output", b, &Layout::contiguous(rows * w), stream)?.0;
+    }
+    let s1 = split.get(1).copied().unwrap_or(0);
+    let out = Out {
+        y0: p[0],
+        y1: p[1],
+        y2: p[2],
+        s0: i(split[0])?,
+        s1: i(s1)?,
+    };
+    Ok((bufs, out))
+}
+
+/// An optional held tensor's device address, or 0.
+fn optional(op: &str, name: &str, h: &Option<Held>, stream: &CudaStream) -> Result<u64> {
     match h {
         Some(h) => Ok(ptr(op, name, h.cuda(op, name)?, h.layout, stream)?.0),
         None => Ok(0),
@@ -36,34 +74,31 @@ pub(crate) fn causal_conv1d(
     let d = conv.dims;
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
-    let y = alloc(dev, x_s.dtype(), d.batch * d.seqlen * d.dim)?;
-    let st_out = alloc(dev, x_s.dtype(), d.batch * d.dim * d.width)?;
+    let (mut ys, out) = pieces(
+        op,
+        dev,
+        &stream,
+        x_s.dtype(),
+        d.batch * d.seqlen,
+        &conv.split,
+    )?;
+    let state_len = d.batch * d.dim * d.width;
+    let st_out = alloc(dev, x_s.dtype(), state_len)?;
     let bias = conv.bias.as_ref().map(Held::new);
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
     let (st_p, _g3) = ptr(op, "initial_state", st_s, st_l, &stream)?;
     let bias_p = optional(op, "bias", &bias, &stream)?;
-    let y_p = ptr(
-        op,
-        "y",
-        &y,
-        &Layout::contiguous(d.batch * d.seqlen * d.dim),
-        &stream,
-    )?
-    .0;
     let so_p = ptr(
         op,
         "state",
         &st_out,
-        &Layout::contiguous(d.batch * d.dim * d.width),
+        &Layout::contiguous(state_len),
         &stream,
     )?
     .0;
-    let f = function(
-        &stream,
-        CAUSAL_CONV1D,
-        &format!("causal_conv1d_{}", dtype_name(op, x_s.dtype())?),
-    )?;
+    let name = format!("causal_conv1d_{}", dtype_name(op, x_s.dtype())?);
+    let f = function(&stream, CAUSAL_CONV1D, &name)?;
     let grid = (
         d.dim.div_ceil(THREADS) as u32,
         d.seqlen.div_ceil(TOKENS) as u32,
@@ -76,11 +111,18 @@ pub(crate) fn causal_conv1d(
         &f,
         cfg(grid, (THREADS as u32, 1, 1), 0),
         &[
-            &x_p, &w_p, &bias_p, &st_p, &y_p, &so_p, &b, &l, &dd, &k, &x_stride, &silu,
+            &x_p, &w_p, &bias_p, &st_p, &out, &so_p, &b, &l, &dd, &k, &x_stride, &silu,
         ],
     )?;
     conv.state_out.put(op, Storage::Cuda(st_out))?;
-    Ok((y, Shape::from((d.batch, d.seqlen, d.dim))))
+    let rest = ys.split_off(1);
+    for (slot, y) in conv.rest.iter().zip(rest) {
+        slot.put(op, Storage::Cuda(y))?;
+    }
+    match ys.pop() {
+        Some(y) => Ok((y, Shape::from((d.batch, d.seqlen, conv.split[0])))),
+        None => bail!("{op}: no output"),
+    }
 }
 
 pub(crate) fn causal_conv1d_step(
@@ -89,23 +131,19 @@ pub(crate) fn causal_conv1d_step(
     st_l: &Layout,
     x_s: &CudaStorage,
     x_l: &Layout,
-) -> Result<CudaStorage> {
+) -> Result<()> {
     let op = "causal_conv1d_step";
     let d = step.dims;
     let dev = x_s.device.clone();
     let stream = dev.cuda_stream();
-    let y = alloc(&dev, x_s.dtype(), d.batch * d.dim)?;
+    let (ys, out) = pieces(op, &dev, &stream, x_s.dtype(), d.batch, &step.split)?;
     let (w, bias) = (Held::new(&step.weight), step.bias.as_ref().map(Held::new));
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w.cuda(op, "weight")?, w.layout, &stream)?;
     let bias_p = optional(op, "bias", &bias, &stream)?;
-    let y_p = ptr(op, "y", &y, &Layout::contiguous(d.batch * d.dim), &stream)?.0;
     let (st_p, _g3) = ptr(op, "state", st_s, st_l, &stream)?;
-    let f = function(
-        &stream,
-        CAUSAL_CONV1D,
-        &format!("causal_conv1d_step_{}", dtype_name(op, x_s.dtype())?),
-    )?;
+    let name = format!("causal_conv1d_step_{}", dtype_name(op, x_s.dtype())?);
+    let f = function(&stream, CAUSAL_CONV1D, &name)?;
     let (b, dd, k) = (i(d.batch)?, i(d.dim)?, i(d.width)?);
     let silu = step.silu as i32;
     launch(
@@ -117,8 +155,11 @@ pub(crate) fn causal_conv1d_step(
             0,
         ),
         &[
-            &st_p, &x_p, &w_p, &bias_p, &y_p, &b, &dd, &k, &x_stride, &silu,
+            &st_p, &x_p, &w_p, &bias_p, &out, &b, &dd, &k, &x_stride, &silu,
         ],
     )?;
-    Ok(y)
+    for (slot, y) in step.pieces.iter().zip(ys) {
+        slot.put(op, Storage::Cuda(y))?;
+    }
+    Ok(())
 }

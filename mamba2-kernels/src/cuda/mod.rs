@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    result, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    result, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -45,7 +45,7 @@ const RMS_NORM: Image = fatbin!("rms_norm");
 struct Cache {
     modules: HashMap<(usize, &'static str), Arc<CudaModule>>,
     functions: HashMap<(usize, String), CudaFunction>,
-    sm_count: HashMap<usize, usize>,
+    info: HashMap<usize, (usize, usize)>,
 }
 
 fn cache() -> &'static Mutex<Cache> {
@@ -76,37 +76,45 @@ pub(crate) fn function(stream: &Arc<CudaStream>, image: Image, name: &str) -> Re
         }
     };
     let f = module.load_function(name).w()?;
-    let max_smem = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .w()?;
+    // The dynamic limit is what the opt-in maximum leaves beside the kernel's static memory.
+    let max_dynamic = device_max_smem(ctx)? as i32
+        - f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .w()?;
     f.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        max_smem,
+        max_dynamic,
     )
     .w()?;
     c.functions.insert((key, name.to_string()), f.clone());
     Ok(f)
 }
 
+fn device_max_smem(ctx: &Arc<CudaContext>) -> Result<usize> {
+    let attr = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+    Ok(ctx.attribute(attr).w()? as usize)
+}
+
+/// (multiprocessors, opt-in shared memory per block) of the stream's device, cached.
+fn info(stream: &Arc<CudaStream>) -> Result<(usize, usize)> {
+    let ctx = stream.context();
+    let key = ctx.cu_ctx() as usize;
+    if let Some(&v) = lock()?.info.get(&key) {
+        return Ok(v);
+    }
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()? as usize;
+    let v = (sms, device_max_smem(ctx)?);
+    lock()?.info.insert(key, v);
+    Ok(v)
+}
+
 pub(crate) fn max_smem(stream: &Arc<CudaStream>) -> Result<usize> {
-    let v = stream
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .w()?;
-    Ok(v as usize)
+    Ok(info(stream)?.1)
 }
 
 pub(crate) fn sm_count(stream: &Arc<CudaStream>) -> Result<usize> {
-    let ctx = stream.context();
-    let key = ctx.cu_ctx() as usize;
-    if let Some(&n) = lock()?.sm_count.get(&key) {
-        return Ok(n);
-    }
-    let n = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()? as usize;
-    lock()?.sm_count.insert(key, n);
-    Ok(n)
+    Ok(info(stream)?.0)
 }
 
 pub(crate) fn dtype_name(op: &str, dtype: DType) -> Result<&'static str> {
@@ -157,16 +165,13 @@ pub(crate) fn rows_ptr<'a>(
     l: &Layout,
     stream: &'a CudaStream,
 ) -> Result<(u64, i64, SyncOnDrop<'a>)> {
-    let (dims, strides) = (l.dims(), l.stride());
-    let rank = dims.len();
-    let row = dims.last().copied().unwrap_or(1);
-    let last_ok = rank == 0 || row == 1 || strides[rank - 1] == 1;
-    let uniform = (0..rank.saturating_sub(2))
-        .all(|k| dims[k] == 1 || strides[k] == strides[k + 1] * dims[k + 1]);
-    if !last_ok || !uniform {
-        bail!("{op}: {name} must have contiguous rows and one row stride, got strides {strides:?} for shape {dims:?}")
-    }
-    let row_stride = if rank >= 2 { strides[rank - 2] } else { row };
+    let Some(row_stride) = crate::check::row_stride(l) else {
+        bail!(
+            "{op}: {name} must have contiguous rows and one row stride, got strides {:?} for shape {:?}",
+            l.stride(),
+            l.dims()
+        )
+    };
     let (p, g) = base_ptr(op, name, s, stream)?;
     Ok((
         p + (l.start_offset() * s.dtype().size_in_bytes()) as u64,

@@ -6,7 +6,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 
-use super::{alloc, cfg, dtype_name, function, i, launch, max_smem, ptr, sm_count, Held};
+use super::{alloc, cfg, dtype_name, function, i, launch, max_smem, ptr, rows_ptr, sm_count, Held};
 use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
 use crate::check::SsdDims;
 use crate::chunk_cumsum::ChunkCumsum;
@@ -68,7 +68,7 @@ pub(crate) fn chunk_cumsum(
     let out = alloc(dev, DType::F32, 2 * batch * nheads * seqlen)?;
     let bias = op.dt_bias.as_ref().map(Held::new);
     let bias_s = bias.as_ref().map(|b| b.cuda(name, "dt_bias")).transpose()?;
-    let (dt_p, _g1) = ptr(name, "dt", dt_s, dt_l, &stream)?;
+    let (dt_p, dt_stride, _g1) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
     let (a_p, _g2) = ptr(name, "a", a_s, a_l, &stream)?;
     let (bias_p, _g3) = match (&bias, bias_s) {
         (Some(h), Some(s)) => {
@@ -103,7 +103,7 @@ pub(crate) fn chunk_cumsum(
         &f,
         cfg(grid, (32, warps as u32, 1), 0),
         &[
-            &dt_p, &a_p, &bias_p, &out_p, &b, &l, &h, &c, &softplus, &lo, &hi,
+            &dt_p, &a_p, &bias_p, &out_p, &b, &l, &h, &c, &softplus, &lo, &hi, &dt_stride,
         ],
     )?;
     Ok((out, Shape::from((2, batch, nheads, seqlen))))
@@ -159,29 +159,40 @@ pub(crate) fn fwd_pass_state(
         && d.headdim % 32 == 0
         && d.dstate % 16 == 0;
     let bh = (d.batch * d.nheads) as u32;
-    if mma {
+    if mma && init_p % 16 == 0 {
+        // Every chunk's contribution in parallel, then the scan across chunks in place.
         let warps = if d.headdim % 64 == 0 { 4 } else { 2 };
         let ptile = 16 * warps;
-        let target = 2 * sm_count(&stream)?;
-        let nt = [64, 32, 16]
+        let nt = [128, 64, 32, 16]
             .into_iter()
-            .filter(|nt| d.dstate % nt == 0)
-            .find(|nt| (d.dstate / nt) * (d.headdim / ptile) * d.batch * d.nheads >= target)
+            .find(|nt| d.dstate % nt == 0)
             .unwrap_or(16);
-        // Three pipeline stages of x, b, d and dt tiles (the kernel's STAGES).
-        let smem = 3 * (chunk * (ptile + 8) * 2 + chunk * (nt + 8) * 2 + 2 * chunk * 4);
+        let smem = chunk * (ptile + 8) * 2 + chunk * (nt + 8) * 2 + 2 * chunk * 4;
         if smem <= max_smem(&stream)? {
             let f = function(
                 &stream,
                 FWD_PASS_STATE,
-                &format!("fwd_pass_state_mma_{t}_{s}_w{warps}_n{nt}"),
+                &format!("chunk_state_mma_{t}_{s}_w{warps}_n{nt}"),
             )?;
-            let grid = ((d.dstate / nt) as u32, (d.headdim / ptile) as u32, bh);
+            let grid = (
+                (d.batch * d.nheads * nchunks) as u32,
+                (d.dstate / nt) as u32,
+                (d.headdim / ptile) as u32,
+            );
             launch(
                 &stream,
                 &f,
                 cfg(grid, (32 * warps as u32, 1, 1), smem),
-                &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd],
+                &[&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
+            )?;
+            let vec = if op.state_dtype == DType::F32 { 4 } else { 8 };
+            let f = function(&stream, FWD_PASS_STATE, &format!("state_scan_{s}"))?;
+            let grid = ((d.headdim * d.dstate / vec).div_ceil(256) as u32, bh, 1);
+            launch(
+                &stream,
+                &f,
+                cfg(grid, (256, 1, 1), 0),
+                &[&da_p, &init_p, &out_p, &kd],
             )?;
             return Ok((
                 out,
@@ -324,6 +335,11 @@ struct StepDims {
     d_per_channel: i32,
     lo: f32,
     hi: f32,
+    x_stride: i64,
+    dt_stride: i64,
+    b_stride: i64,
+    c_stride: i64,
+    z_stride: i64,
 }
 // SAFETY: plain old data laid out as the step kernel's `Dims` struct.
 unsafe impl DeviceRepr for StepDims {}
@@ -347,22 +363,25 @@ pub(crate) fn ssd_step(
     let bias = op.dt_bias.as_ref().map(Held::new);
     let dskip = op.d.as_ref().map(Held::new);
     let z = op.z.as_ref().map(Held::new);
-    let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
-    let (dt_p, _g2) = ptr(name, "dt", dt_s, dt_l, &stream)?;
+    let (x_p, x_stride, _g1) = rows_ptr(name, "x", x_s, x_l, &stream)?;
+    let (dt_p, dt_stride, _g2) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
     let (a_p, _g3) = ptr(name, "a", a.cuda(name, "a")?, a.layout, &stream)?;
-    let (b_p, _g4) = ptr(name, "b", b.cuda(name, "b")?, b.layout, &stream)?;
-    let (c_p, _g5) = ptr(name, "c", c.cuda(name, "c")?, c.layout, &stream)?;
+    let (b_p, b_stride, _g4) = rows_ptr(name, "b", b.cuda(name, "b")?, b.layout, &stream)?;
+    let (c_p, c_stride, _g5) = rows_ptr(name, "c", c.cuda(name, "c")?, c.layout, &stream)?;
     let optional = |h: &Option<Held>, what: &str| -> Result<u64> {
         match h {
             Some(h) => Ok(ptr(name, what, h.cuda(name, what)?, h.layout, &stream)?.0),
             None => Ok(0),
         }
     };
-    let (bias_p, d_p, z_p) = (
-        optional(&bias, "dt_bias")?,
-        optional(&dskip, "D")?,
-        optional(&z, "z")?,
-    );
+    let (bias_p, d_p) = (optional(&bias, "dt_bias")?, optional(&dskip, "D")?);
+    let (z_p, z_stride) = match &z {
+        Some(h) => {
+            let (p, s, _) = rows_ptr(name, "z", h.cuda(name, "z")?, h.layout, &stream)?;
+            (p, s)
+        }
+        None => (0, 0),
+    };
     let y_p = ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0;
     let state_dtype = st_s.dtype();
     let (st_p, _g7) = ptr(name, "state", st_s, st_l, &stream)?;
@@ -376,6 +395,12 @@ pub(crate) fn ssd_step(
         d_per_channel: op.d.as_ref().is_some_and(|t| t.rank() == 2) as i32,
         lo: op.dt_limit.0,
         hi: op.dt_limit.1,
+        // Row strides → batch strides: x and z have H rows of P per batch, b and c G rows of N.
+        x_stride: x_stride * d.nheads as i64,
+        dt_stride,
+        b_stride: b_stride * d.ngroups as i64,
+        c_stride: c_stride * d.ngroups as i64,
+        z_stride: z_stride * d.nheads as i64,
     };
     let vec = d.dstate % 4 == 0 && st_p % 16 == 0;
     let fname = format!(
