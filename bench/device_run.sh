@@ -1,37 +1,52 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (see ../shared/gpu/README.md): SASS check of the kernels, the SSD
-# benchmark, then the shipped model's training with the CUDA kernel tests running beside it.
-#   bash bench/device_run.sh TRAIN_MINUTES        (0: no training)
-# Binaries come packed in .gpu/ (pack.sh), fatbins in .gpu/fatbin/; logs go to $OUT.
+# One call on the GPU machine (see ../shared/gpu/README.md), after `bash bench/pack_gpu.sh` here:
+# SASS check of the kernels, the SSD and model benchmarks, `generate --device cuda`, then the CUDA
+# tests; optionally the shipped model's training alongside the tests.
+#   bash bench/device_run.sh [TRAIN_MINUTES]        (default 0: no training)
+# Logs go to $OUT: kernels.log, model.log, tests.log (and train.log with the weights bundle).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 minutes=${1:-0}
 source .gpu/unpack.sh
-log=$OUT/kernels.log
 {
   echo "== SASS: tensor-core instructions per fatbin (sm_90a image)"
   for f in .gpu/fatbin/*.fatbin; do
     echo "$f: $(cuobjdump --dump-sass "$f" 2>/dev/null | grep -oE '\b(HMMA|HGMMA)[.A-Z0-9]*' | sort | uniq -c | tr '\n' ' ')"
   done
   echo "== bench_ssd --cuda"
-  timeout 150 .gpu/bench_ssd --cuda 2>&1
-  echo "bench rc=$?"
-} > "$log" 2>&1
-cat "$log"
+  [[ -x .gpu/bench_ssd || -e .gpu/bench_ssd.xz ]] && timeout 200 .gpu/bench_ssd --cuda 2>&1
+  echo "bench_ssd rc=$?"
+} > "$OUT/kernels.log" 2>&1
+cat "$OUT/kernels.log"
+if [[ -x .gpu/bench_model ]]; then
+  {
+    echo "== bench_model: prefill (all models), then decode one model per process"
+    timeout 150 .gpu/bench_model --decode "" --peer 130m:1x2048,130m:4x2048 2>&1
+    echo "bench_model prefill rc=$?"
+    for m in 130m 780m 2.7b; do
+      timeout 40 .gpu/bench_model --models $m --prefill "" --peer 130m:d1,130m:d16,2.7b:d1 2>&1
+      echo "bench_model decode $m rc=$?"
+    done
+    echo "== generate --device cuda (a fixture model in the HF layout, byte-level prompt)"
+    timeout 60 .gpu/generate --device cuda --weights tests/fixtures/mamba2-130m-hf --prompt hello --max-new-tokens 32 --seed 1 2>&1
+    echo "generate rc=$?"
+  } > "$OUT/model.log" 2>&1
+  cat "$OUT/model.log"
+fi
 train_pid=
 if [[ $minutes != 0 ]]; then
   (PYTHONUNBUFFERED=1 python3 tools/train.py --minutes "$minutes" --out /tmp/w --bundle "$OUT" > "$OUT/train.log" 2>&1) &
   train_pid=$!
 fi
-for t in ssd_cuda ssd_errors model_cuda; do
+for t in ${TESTS:-ssd_cuda ssd_errors model_cuda}; do
   [[ -x .gpu/$t ]] || continue
-  echo "== $t" >> "$log"
-  RUST_BACKTRACE=1 timeout 300 ".gpu/$t" --test-threads 1 >> "$log" 2>&1
-  echo "$t rc=$?" | tee -a "$log"
+  echo "== $t" >> "$OUT/tests.log"
+  RUST_BACKTRACE=1 timeout 300 ".gpu/$t" --test-threads 1 --nocapture >> "$OUT/tests.log" 2>&1
+  echo "$t rc=$?" | tee -a "$OUT/tests.log"
 done
 if [[ -n $train_pid ]]; then
   wait "$train_pid"
   echo "train rc=$?"
-  tail -25 "$OUT/train.log"
+  tail -5 "$OUT/train.log"
 fi
-grep -E "test result|panicked|rel err" "$log" | head -40
+grep -E "test result|panicked|worst|rel err" "$OUT/tests.log" | head -40

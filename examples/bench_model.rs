@@ -22,7 +22,7 @@ struct Args {
     prefill: Vec<String>,
     /// Decode batch sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
-    decode: Vec<usize>,
+    decode: Vec<String>,
     /// Timed runs per prefill measurement (median).
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -131,10 +131,13 @@ fn main() -> Result<()> {
         "cpu" => Device::Cpu,
         _ => Device::new_cuda(0)?,
     };
+    let start = Instant::now();
+    let progress = |what: &str| eprintln!("[{:7.1}s] {what}", start.elapsed().as_secs_f64());
     println!("bench_model: random bf16 weights, vocab {VOCAB}, headdim 64, state 128; prefill = median of {} runs, decode = median step of {} (synchronised per step)", args.reps, args.steps);
     println!("| model | run | ours | candle-transformers 0.11.1 |");
     println!("|---|---|---|---|");
     for name in &args.models {
+        progress(&format!("{name}: weights"));
         let (d_model, layers) = dims(name)?;
         let cfg = config(d_model, layers)?;
         let w = weights(d_model, layers, &dev)?;
@@ -152,8 +155,9 @@ fn main() -> Result<()> {
             &peer_cfg,
             candle_nn::VarBuilder::from_tensors(w, DType::BF16, &dev).pp("backbone"),
         )?;
-        for shape in &args.prefill {
+        for shape in args.prefill.iter().filter(|s| !s.is_empty()) {
             let (b, l) = parse_bl(shape)?;
+            progress(&format!("{name}: prefill {shape}"));
             let input = ids(b, l, &dev)?;
             let mut times = Vec::new();
             for rep in 0..=args.reps {
@@ -168,6 +172,7 @@ fn main() -> Result<()> {
             }
             let ours = median(times);
             let peer_s = if args.peer.iter().any(|p| p == &format!("{name}:{shape}")) {
+                progress(&format!("{name}: candle-transformers prefill {shape}"));
                 let mut st = candle_transformers::models::mamba2::State::new(
                     b,
                     &peer_cfg,
@@ -193,14 +198,23 @@ fn main() -> Result<()> {
                 (b * l) as f64 / ours
             );
         }
-        for &b in &args.decode {
+        for b in args.decode.iter().filter(|s| !s.is_empty()) {
+            let b: usize = b.parse()?;
+            progress(&format!("{name}: decode B={b}"));
             let mut cache = model.new_cache(b)?;
             model.prefill(&ids(b, 16, &dev)?, &mut cache)?;
-            let tok = ids(b, 1, &dev)?.squeeze(1)?;
-            for _ in 0..5 {
-                model.step(&tok, &mut cache)?;
-            }
             sync(&dev)?;
+            progress(&format!("{name}: decode B={b}: prompt done"));
+            let tok = ids(b, 1, &dev)?.squeeze(1)?;
+            for i in 0..5 {
+                let t = Instant::now();
+                model.step(&tok, &mut cache)?;
+                sync(&dev)?;
+                progress(&format!(
+                    "{name}: warm-up step {i}: {:.2} ms",
+                    t.elapsed().as_secs_f64() * 1e3
+                ));
+            }
             let mut times = Vec::new();
             for _ in 0..args.steps {
                 let t = Instant::now();
@@ -210,6 +224,7 @@ fn main() -> Result<()> {
             }
             let ours = median(times);
             let peer_s = if args.peer.iter().any(|p| p == &format!("{name}:d{b}")) {
+                progress(&format!("{name}: candle-transformers decode B={b}"));
                 let mut st = candle_transformers::models::mamba2::State::new(
                     b,
                     &peer_cfg,

@@ -11,39 +11,11 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use common::fixture::{case_names, Case};
+use common::fixture::{case_names, run_case, Case};
 use common::rel_err;
 use mamba2::model::Model;
 
 const TOL: f64 = 1e-4;
-
-/// Max rel errs of one case: prefill logits, decode logits, SSM states, conv states.
-fn run_case(case: &Case, model: &Model) -> Result<[f64; 4]> {
-    let ids = case.input_ids()?;
-    let (batch, len) = ids.dims2()?;
-    let l0 = case.prefix_len();
-
-    let mut cache = model.new_cache(batch)?;
-    let logits = model.forward(&ids, &mut cache)?;
-    let prefill = rel_err(&logits, case.get("logits_prefill"))?;
-    assert_eq!(cache.tokens(), len);
-    let (mut ssm, mut conv) = (0f64, 0f64);
-    for (i, layer) in cache.layers().iter().enumerate() {
-        ssm = ssm.max(rel_err(&layer.ssm, case.get(&format!("ssm_state.{i}")))?);
-        conv = conv.max(rel_err(&layer.conv, case.get(&format!("conv_state.{i}")))?);
-    }
-
-    let mut cache = model.new_cache(batch)?;
-    let last = model.prefill(&ids.i((.., ..l0))?, &mut cache)?;
-    let want_last = case.get("logits_prefill").i((.., l0 - 1))?;
-    let prefix = rel_err(&last, &want_last)?;
-    let mut steps = Vec::new();
-    for t in l0..len {
-        steps.push(model.step(&ids.i((.., t))?.contiguous()?, &mut cache)?);
-    }
-    let decode = rel_err(&Tensor::stack(&steps, 1)?, case.get("logits_decode"))?;
-    Ok([prefill.max(prefix), decode, ssm, conv])
-}
 
 #[test]
 fn every_fixture_matches_reference() -> Result<()> {

@@ -8,7 +8,9 @@
 //! out = out_proj(rmsnorm_per_group(y · silu(z)) · w)    groups of d_inner/G channels
 //! ```
 //!
-//! Decode is the same with `causal_conv1d_step` and `ssd_step` on one token. The dt clamp is
+//! Decode is the same with `causal_conv1d_step` and `ssd_step` on one token. The conv writes x, B
+//! and C as separate contiguous tensors, and z and dt stay slices of in_proj's output (read in
+//! place on CUDA), so a decode step is six kernels per layer. The dt clamp is
 //! applied in both paths: mamba_ssm's `Mamba2.step` and HF's single-token path skip it, so their
 //! decode departs from their own prefill when `dt_limit` is finite; here they agree. `A`,
 //! `dt_bias` and `D` are f32 whatever the model dtype. The chunked scan runs with chunks of
@@ -18,8 +20,8 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{
-    causal_conv1d, causal_conv1d_step, gated_rms_norm, ssd, ssd_step, ConvOptions, DtOptions,
-    SsdOptions, StepOptions,
+    causal_conv1d_split, causal_conv1d_step_split, gated_rms_norm, ssd, ssd_step, ConvOptions,
+    DtOptions, SsdOptions, StepOptions,
 };
 
 use crate::cache::LayerState;
@@ -113,17 +115,18 @@ impl Mixer {
         let z = zxbcdt.narrow(2, 0, di)?;
         let xbc = zxbcdt.narrow(2, di, di + 2 * gn)?;
         let dt = zxbcdt.narrow(2, 2 * di + 2 * gn, h)?;
-        let (xbc, conv) = causal_conv1d(
+        let (xbc, conv) = causal_conv1d_split(
             &xbc,
             &self.conv_weight,
             Some(&state.conv),
             &self.conv_options(),
+            &[di, gn, gn],
         )?;
         state.conv.slice_set(&conv, 0, 0)?;
         let groups = (b, l, self.ngroups, self.d_state);
-        let x = xbc.narrow(2, 0, di)?.reshape((b, l, h, p))?;
-        let bm = xbc.narrow(2, di, gn)?.reshape(groups)?;
-        let cm = xbc.narrow(2, di + gn, gn)?.reshape(groups)?;
+        let x = xbc[0].reshape((b, l, h, p))?;
+        let bm = xbc[1].reshape(groups)?;
+        let cm = xbc[2].reshape(groups)?;
         let opts = SsdOptions {
             chunk_size: self.chunk_size,
             dt: self.dt_options(),
@@ -157,11 +160,17 @@ impl Mixer {
         let z = zxbcdt.narrow(1, 0, di)?;
         let xbc = zxbcdt.narrow(1, di, di + 2 * gn)?;
         let dt = zxbcdt.narrow(1, 2 * di + 2 * gn, h)?;
-        let xbc = causal_conv1d_step(&state.conv, &xbc, &self.conv_weight, &self.conv_options())?;
+        let xbc = causal_conv1d_step_split(
+            &state.conv,
+            &xbc,
+            &self.conv_weight,
+            &self.conv_options(),
+            &[di, gn, gn],
+        )?;
         let groups = (b, self.ngroups, self.d_state);
-        let x = xbc.narrow(1, 0, di)?.reshape((b, h, p))?;
-        let bm = xbc.narrow(1, di, gn)?.reshape(groups)?;
-        let cm = xbc.narrow(1, di + gn, gn)?.reshape(groups)?;
+        let x = xbc[0].reshape((b, h, p))?;
+        let bm = xbc[1].reshape(groups)?;
+        let cm = xbc[2].reshape(groups)?;
         let opts = StepOptions {
             dt: self.dt_options(),
             d: Some(&self.d),

@@ -181,7 +181,7 @@ impl Model {
         let mut last = None;
         self.pieces(ids, cache, |h| {
             let l = h.dim(1)?;
-            last = Some(h.i((.., l - 1))?);
+            last = Some(h.i((.., l - 1))?.contiguous()?);
             Ok(())
         })?;
         match last {

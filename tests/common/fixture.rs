@@ -3,7 +3,10 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use mamba2::model::Model;
+
+use super::rel_err;
 
 /// The directory holding every fixture case.
 pub fn root() -> PathBuf {
@@ -68,4 +71,32 @@ impl Case {
     pub fn n_layer(&self) -> usize {
         self.meta["params"]["n_layer"].as_u64().expect("n_layer") as usize
     }
+}
+
+/// Max rel errs of one case: prefill logits, decode logits, SSM states, conv states.
+pub fn run_case(case: &Case, model: &Model) -> Result<[f64; 4]> {
+    let ids = case.input_ids()?.to_device(model.device())?;
+    let (batch, len) = ids.dims2()?;
+    let l0 = case.prefix_len();
+
+    let mut cache = model.new_cache(batch)?;
+    let logits = model.forward(&ids, &mut cache)?;
+    let prefill = rel_err(&logits, case.get("logits_prefill"))?;
+    assert_eq!(cache.tokens(), len);
+    let (mut ssm, mut conv) = (0f64, 0f64);
+    for (i, layer) in cache.layers().iter().enumerate() {
+        ssm = ssm.max(rel_err(&layer.ssm, case.get(&format!("ssm_state.{i}")))?);
+        conv = conv.max(rel_err(&layer.conv, case.get(&format!("conv_state.{i}")))?);
+    }
+
+    let mut cache = model.new_cache(batch)?;
+    let last = model.prefill(&ids.i((.., ..l0))?, &mut cache)?;
+    let want_last = case.get("logits_prefill").i((.., l0 - 1))?;
+    let prefix = rel_err(&last, &want_last)?;
+    let mut steps = Vec::new();
+    for t in l0..len {
+        steps.push(model.step(&ids.i((.., t))?.contiguous()?, &mut cache)?);
+    }
+    let decode = rel_err(&Tensor::stack(&steps, 1)?, case.get("logits_decode"))?;
+    Ok([prefill.max(prefix), decode, ssm, conv])
 }

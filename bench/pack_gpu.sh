@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds the CUDA test and example binaries here and packs them into .gpu/ for bench/device_run.sh
+# (../shared/gpu/pack.sh strips and compresses; the fatbins are copied for the SASS check).
+#   bash bench/pack_gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source <(bash ../shared/gpu/cuda-toolkit.sh --env)
+tests=(ssd_cuda ssd_errors model_cuda)
+examples=(bench_ssd bench_model generate)
+json=$(cargo build --release --features cuda --tests --examples --message-format=json)
+pick() {  # the executable of target $1 of kind $2 (test | example)
+  python3 -c '
+import sys, json
+name, kind = sys.argv[1], sys.argv[2]
+for l in sys.stdin:
+    try: m = json.loads(l)
+    except ValueError: continue
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") == name and kind in t.get("kind", []):
+        print(m["executable"])' "$1" "$2" <<< "$json" | tail -1
+}
+rm -rf .gpu && mkdir -p .gpu/fatbin
+bins=()
+for t in "${tests[@]}"; do bins+=("$(pick "$t" test)"); done
+for e in "${examples[@]}"; do bins+=("$(pick "$e" example)"); done
+bash ../shared/gpu/pack.sh "${bins[@]}"
+for f in .gpu/*-*.xz; do [[ -e $f ]] && mv "$f" "$(echo "$f" | sed -E 's/-[0-9a-f]{16}\.xz$/.xz/')"; done
+out=$(python3 -c '
+import sys, json
+for l in sys.stdin:
+    try: m = json.loads(l)
+    except ValueError: continue
+    if m.get("reason") == "build-script-executed" and "mamba2-kernels" in m.get("package_id", ""): print(m["out_dir"])' <<< "$json" | tail -1)
+cp "$out"/*.fatbin .gpu/fatbin/
+ls -la .gpu .gpu/fatbin; du -sh .gpu
