@@ -45,8 +45,8 @@ impl CustomOp2 for AddRmsNorm {
         let dim = w.len();
         let mut sum = x.into_owned();
         if let Some(residual) = &self.residual {
-            let (guard, layout) = residual.storage_and_layout();
-            let r = cpu::f32_view(op, "residual", cpu::cpu(op, "residual", &guard)?, layout)?;
+            let held = cpu::Held::new(residual);
+            let r = held.f32(op, "residual")?;
             sum.par_chunks_mut(dim)
                 .zip(r.par_chunks(dim))
                 .for_each(|(s, r)| s.iter_mut().zip(r).for_each(|(s, r)| *s += r));

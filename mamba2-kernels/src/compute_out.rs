@@ -60,17 +60,16 @@ impl CustomOp3 for ComputeOut {
         let x = cpu::f32_view(op, "x", x_s, x_l)?;
         let c = cpu::f32_view(op, "c", c_s, c_l)?;
         let states = cpu::f32_view(op, "states", st_s, st_l)?;
-        let (b_g, b_l) = self.b.storage_and_layout();
-        let b = cpu::f32_view(op, "b", cpu::cpu(op, "b", &b_g)?, b_l)?;
-        let (dt_g, dt_l) = self.dt_out.storage_and_layout();
-        let dt = cpu::f32_view(op, "dt_out", cpu::cpu(op, "dt_out", &dt_g)?, dt_l)?;
-        let (da_g, da_l) = self.da_cumsum.storage_and_layout();
-        let da = cpu::f32_view(op, "da_cumsum", cpu::cpu(op, "da_cumsum", &da_g)?, da_l)?;
-        let z_guard = self.z.as_ref().map(|z| z.storage_and_layout());
-        let z = match &z_guard {
-            Some((g, l)) => Some(cpu::f32_view(op, "z", cpu::cpu(op, "z", g)?, l)?),
-            None => None,
-        };
+        let held = (
+            cpu::Held::new(&self.b),
+            cpu::Held::new(&self.dt_out),
+            cpu::Held::new(&self.da_cumsum),
+            self.z.as_ref().map(cpu::Held::new),
+        );
+        let b = held.0.f32(op, "b")?;
+        let dt = held.1.f32(op, "dt_out")?;
+        let da = held.2.f32(op, "da_cumsum")?;
+        let z = held.3.as_ref().map(|h| h.f32(op, "z")).transpose()?;
         let d = self.d.as_ref().map(cpu::small_f32).transpose()?;
         let d_per_channel = d.as_ref().is_some_and(|d| d.len() == hp);
 

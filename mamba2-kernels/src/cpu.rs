@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, StorageRef, Tensor};
 use half::{bf16, f16};
 
 /// The contiguous elements of `s` under layout `l` as f32, borrowed when already f32.
@@ -34,6 +34,24 @@ pub(crate) fn cpu<'a>(op: &str, name: &str, s: &'a Storage) -> Result<&'a CpuSto
     match s {
         Storage::Cpu(s) => Ok(s),
         _ => bail!("{op}: {name} is not on the CPU while the op runs on the CPU"),
+    }
+}
+
+/// A tensor an op holds beside its candle arguments, locked for the CPU forward.
+pub(crate) struct Held<'a> {
+    guard: StorageRef<'a>,
+    layout: &'a Layout,
+}
+
+impl<'a> Held<'a> {
+    pub fn new(t: &'a Tensor) -> Self {
+        let (guard, layout) = t.storage_and_layout();
+        Self { guard, layout }
+    }
+
+    /// Its contiguous elements as f32 (see [`f32_view`]).
+    pub fn f32(&self, op: &str, name: &str) -> Result<Cow<'_, [f32]>> {
+        f32_view(op, name, cpu(op, name, &self.guard)?, self.layout)
     }
 }
 

@@ -55,18 +55,16 @@ impl CustomOp3 for FwdPassState {
         let x = cpu::f32_view(op, "x", x_s, x_l)?;
         let b = cpu::f32_view(op, "b", b_s, b_l)?;
         let dt = cpu::f32_view(op, "dt_out", dt_s, dt_l)?;
-        let (da_g, da_l) = self.da_cumsum.storage_and_layout();
-        let da = cpu::f32_view(op, "da_cumsum", cpu::cpu(op, "da_cumsum", &da_g)?, da_l)?;
-        let init_guard = self.init_state.as_ref().map(|s| s.storage_and_layout());
-        let init = match &init_guard {
-            Some((g, l)) => Some(cpu::f32_view(
-                op,
-                "init_state",
-                cpu::cpu(op, "init_state", g)?,
-                l,
-            )?),
-            None => None,
-        };
+        let held = (
+            cpu::Held::new(&self.da_cumsum),
+            self.init_state.as_ref().map(cpu::Held::new),
+        );
+        let da = held.0.f32(op, "da_cumsum")?;
+        let init = held
+            .1
+            .as_ref()
+            .map(|h| h.f32(op, "init_state"))
+            .transpose()?;
 
         let mut states = vec![0f32; batch * nheads * (nchunks + 1) * pn];
         states

@@ -142,15 +142,14 @@ impl InplaceOp3 for SsdStep {
         let pn = headdim * dstate;
         let x = cpu::f32_view(op, "x", x_s, x_l)?;
         let dt_in = cpu::f32_view(op, "dt", dt_s, dt_l)?;
-        let (b_g, b_l) = self.b.storage_and_layout();
-        let b = cpu::f32_view(op, "b", cpu::cpu(op, "b", &b_g)?, b_l)?;
-        let (c_g, c_l) = self.c.storage_and_layout();
-        let c = cpu::f32_view(op, "c", cpu::cpu(op, "c", &c_g)?, c_l)?;
-        let z_guard = self.z.as_ref().map(|z| z.storage_and_layout());
-        let z = match &z_guard {
-            Some((g, l)) => Some(cpu::f32_view(op, "z", cpu::cpu(op, "z", g)?, l)?),
-            None => None,
-        };
+        let held = (
+            cpu::Held::new(&self.b),
+            cpu::Held::new(&self.c),
+            self.z.as_ref().map(cpu::Held::new),
+        );
+        let b = held.0.f32(op, "b")?;
+        let c = held.1.f32(op, "c")?;
+        let z = held.2.as_ref().map(|h| h.f32(op, "z")).transpose()?;
         let a = cpu::small_f32(&self.a)?;
         let bias = match &self.dt_bias {
             Some(t) => cpu::small_f32(t)?,

@@ -6,7 +6,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage};
 
-use super::{alloc, cfg, dtype_name, function, i, launch, ptr, rows_ptr, Held, CAUSAL_CONV1D};
+use super::{
+    alloc, cfg, dtype_name, function, i, launch, opt_ptr, ptr, rows_ptr, Held, CAUSAL_CONV1D,
+};
 use crate::causal_conv1d::{CausalConv1d, CausalConv1dStep};
 
 const THREADS: usize = 128;
@@ -53,14 +55,6 @@ fn pieces(
     Ok((bufs, out))
 }
 
-/// An optional held tensor's device address, or 0.
-fn optional(op: &str, name: &str, h: &Option<Held>, stream: &CudaStream) -> Result<u64> {
-    match h {
-        Some(h) => Ok(ptr(op, name, h.cuda(op, name)?, h.layout, stream)?.0),
-        None => Ok(0),
-    }
-}
-
 pub(crate) fn causal_conv1d(
     conv: &CausalConv1d,
     x_s: &CudaStorage,
@@ -88,7 +82,7 @@ pub(crate) fn causal_conv1d(
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
     let (st_p, _g3) = ptr(op, "initial_state", st_s, st_l, &stream)?;
-    let bias_p = optional(op, "bias", &bias, &stream)?;
+    let bias_p = opt_ptr(op, "bias", &bias, &stream)?;
     let so_p = ptr(
         op,
         "state",
@@ -139,8 +133,8 @@ pub(crate) fn causal_conv1d_step(
     let (ys, out) = pieces(op, &dev, &stream, x_s.dtype(), d.batch, &step.split)?;
     let (w, bias) = (Held::new(&step.weight), step.bias.as_ref().map(Held::new));
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
-    let (w_p, _g2) = ptr(op, "weight", w.cuda(op, "weight")?, w.layout, &stream)?;
-    let bias_p = optional(op, "bias", &bias, &stream)?;
+    let w_p = w.ptr(op, "weight", &stream)?;
+    let bias_p = opt_ptr(op, "bias", &bias, &stream)?;
     let (st_p, _g3) = ptr(op, "state", st_s, st_l, &stream)?;
     let name = format!("causal_conv1d_step_{}", dtype_name(op, x_s.dtype())?);
     let f = function(&stream, CAUSAL_CONV1D, &name)?;

@@ -198,6 +198,19 @@ impl<'a> Held<'a> {
             _ => bail!("{op}: {name} is not on the CUDA device of the other inputs"),
         }
     }
+
+    /// Its device address (it must be contiguous).
+    pub fn ptr<'s>(&'s self, op: &str, name: &str, stream: &'s CudaStream) -> Result<u64> {
+        Ok(ptr(op, name, self.cuda(op, name)?, self.layout, stream)?.0)
+    }
+}
+
+/// The device address of an optional held tensor, or 0 (the kernels' "absent").
+pub(crate) fn opt_ptr(op: &str, name: &str, h: &Option<Held>, stream: &CudaStream) -> Result<u64> {
+    match h {
+        Some(h) => h.ptr(op, name, stream),
+        None => Ok(0),
+    }
 }
 
 /// A fresh output of `len` elements of `dtype`, poisoned with NaN when `MAMBA2_POISON=1`.

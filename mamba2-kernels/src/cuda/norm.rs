@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
 
-use super::{alloc, cfg, dtype_name, function, i, launch, ptr, rows_ptr, Held, RMS_NORM};
+use super::{alloc, cfg, dtype_name, function, i, launch, opt_ptr, ptr, rows_ptr, Held, RMS_NORM};
 use crate::add_rms_norm::AddRmsNorm;
 use crate::gated_rms_norm::GatedRmsNorm;
 
@@ -65,10 +65,7 @@ pub(crate) fn add_rms_norm(
     let residual = norm.residual.as_ref().map(Held::new);
     let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
-    let res_p = match &residual {
-        Some(h) => ptr(op, "residual", h.cuda(op, "residual")?, h.layout, &stream)?.0,
-        None => 0,
-    };
+    let res_p = opt_ptr(op, "residual", &residual, &stream)?;
     let y_p = ptr(op, "y", &y, &Layout::contiguous(rows * dim), &stream)?.0;
     let ro_p = ptr(
         op,

@@ -6,7 +6,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
 
-use super::{alloc, cfg, dtype_name, function, i, launch, max_smem, ptr, rows_ptr, sm_count, Held};
+use super::{
+    alloc, cfg, dtype_name, function, i, launch, max_smem, opt_ptr, ptr, rows_ptr, sm_count, Held,
+};
 use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
 use crate::check::SsdDims;
 use crate::chunk_cumsum::ChunkCumsum;
@@ -67,16 +69,9 @@ pub(crate) fn chunk_cumsum(
     let stream = dev.cuda_stream();
     let out = alloc(dev, DType::F32, 2 * batch * nheads * seqlen)?;
     let bias = op.dt_bias.as_ref().map(Held::new);
-    let bias_s = bias.as_ref().map(|b| b.cuda(name, "dt_bias")).transpose()?;
     let (dt_p, dt_stride, _g1) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
     let (a_p, _g2) = ptr(name, "a", a_s, a_l, &stream)?;
-    let (bias_p, _g3) = match (&bias, bias_s) {
-        (Some(h), Some(s)) => {
-            let (p, g) = ptr(name, "dt_bias", s, h.layout, &stream)?;
-            (p, Some(g))
-        }
-        _ => (0u64, None),
-    };
+    let bias_p = opt_ptr(name, "dt_bias", &bias, &stream)?;
     let out_p = ptr(
         name,
         "out",
@@ -131,24 +126,8 @@ pub(crate) fn fwd_pass_state(
     let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
     let (b_p, _g2) = ptr(name, "b", b_s, b_l, &stream)?;
     let (dt_p, _g3) = ptr(name, "dt_out", dt_s, dt_l, &stream)?;
-    let (da_p, _g4) = ptr(
-        name,
-        "da_cumsum",
-        da.cuda(name, "da_cumsum")?,
-        da.layout,
-        &stream,
-    )?;
-    let init_s = init
-        .as_ref()
-        .map(|h| h.cuda(name, "init_state"))
-        .transpose()?;
-    let (init_p, _g5) = match (&init, init_s) {
-        (Some(h), Some(s)) => {
-            let (p, g) = ptr(name, "init_state", s, h.layout, &stream)?;
-            (p, Some(g))
-        }
-        _ => (0u64, None),
-    };
+    let da_p = da.ptr(name, "da_cumsum", &stream)?;
+    let init_p = opt_ptr(name, "init_state", &init, &stream)?;
     let out_p = ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0;
     let kd = KDims::new(&d, chunk)?;
     let (t, s) = (
@@ -245,31 +224,11 @@ pub(crate) fn compute_out(
     let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
     let (c_p, _g2) = ptr(name, "c", c_s, c_l, &stream)?;
     let (st_p, _g3) = ptr(name, "states", st_s, st_l, &stream)?;
-    let (b_p, _g4) = ptr(name, "b", b.cuda(name, "b")?, b.layout, &stream)?;
-    let (dt_p, _g5) = ptr(name, "dt_out", dt.cuda(name, "dt_out")?, dt.layout, &stream)?;
-    let (da_p, _g6) = ptr(
-        name,
-        "da_cumsum",
-        da.cuda(name, "da_cumsum")?,
-        da.layout,
-        &stream,
-    )?;
-    let d_storage = dskip.as_ref().map(|h| h.cuda(name, "D")).transpose()?;
-    let (d_p, _g7) = match (&dskip, d_storage) {
-        (Some(h), Some(s)) => {
-            let (p, g) = ptr(name, "D", s, h.layout, &stream)?;
-            (p, Some(g))
-        }
-        _ => (0u64, None),
-    };
-    let z_storage = z.as_ref().map(|h| h.cuda(name, "z")).transpose()?;
-    let (z_p, _g8) = match (&z, z_storage) {
-        (Some(h), Some(s)) => {
-            let (p, g) = ptr(name, "z", s, h.layout, &stream)?;
-            (p, Some(g))
-        }
-        _ => (0u64, None),
-    };
+    let b_p = b.ptr(name, "b", &stream)?;
+    let dt_p = dt.ptr(name, "dt_out", &stream)?;
+    let da_p = da.ptr(name, "da_cumsum", &stream)?;
+    let d_p = opt_ptr(name, "D", &dskip, &stream)?;
+    let z_p = opt_ptr(name, "z", &z, &stream)?;
     let y_p = ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0;
     let mut kd = KDims::new(&d, chunk)?;
     kd.d_per_channel = op.d.as_ref().is_some_and(|t| t.rank() == 2) as i32;
@@ -365,16 +324,11 @@ pub(crate) fn ssd_step(
     let z = op.z.as_ref().map(Held::new);
     let (x_p, x_stride, _g1) = rows_ptr(name, "x", x_s, x_l, &stream)?;
     let (dt_p, dt_stride, _g2) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
-    let (a_p, _g3) = ptr(name, "a", a.cuda(name, "a")?, a.layout, &stream)?;
+    let a_p = a.ptr(name, "a", &stream)?;
     let (b_p, b_stride, _g4) = rows_ptr(name, "b", b.cuda(name, "b")?, b.layout, &stream)?;
     let (c_p, c_stride, _g5) = rows_ptr(name, "c", c.cuda(name, "c")?, c.layout, &stream)?;
-    let optional = |h: &Option<Held>, what: &str| -> Result<u64> {
-        match h {
-            Some(h) => Ok(ptr(name, what, h.cuda(name, what)?, h.layout, &stream)?.0),
-            None => Ok(0),
-        }
-    };
-    let (bias_p, d_p) = (optional(&bias, "dt_bias")?, optional(&dskip, "D")?);
+    let bias_p = opt_ptr(name, "dt_bias", &bias, &stream)?;
+    let d_p = opt_ptr(name, "D", &dskip, &stream)?;
     let (z_p, z_stride) = match &z {
         Some(h) => {
             let (p, s, _) = rows_ptr(name, "z", h.cuda(name, "z")?, h.layout, &stream)?;
