@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use common::{rel_err, tolerance, Rng};
+use common::{expect_err, rel_err, tolerance, Rng};
 use mamba2::kernels::{
     add_rms_norm, causal_conv1d, causal_conv1d_step, gated_rms_norm, ConvOptions,
 };
@@ -291,19 +291,6 @@ fn add_rms_norm_matches_reference() -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn expect_err<T: std::fmt::Debug>(r: Result<T>, needle: &str) {
-    match r {
-        Ok(v) => panic!("expected an error containing {needle:?}, got Ok({v:?})"),
-        Err(e) => {
-            let msg = e.to_string();
-            assert!(
-                msg.contains(needle),
-                "error {msg:?} does not contain {needle:?}"
-            );
-        }
-    }
 }
 
 #[test]

@@ -2,26 +2,13 @@
 
 mod common;
 
-use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use common::{Problem, Rng, Spec};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use common::{expect_err, Problem, Rng, Spec};
 use mamba2::kernels::{self as k, SsdOptions, StepOptions};
 
 fn problem() -> Problem {
     let spec = Spec::new(20, 4, 2, 16);
     Problem::new(&spec, &mut Rng::new(1), &Device::Cpu).expect("a valid problem")
-}
-
-fn expect_err<T: std::fmt::Debug>(r: Result<T>, needle: &str) {
-    match r {
-        Ok(v) => panic!("expected an error containing {needle:?}, got Ok({v:?})"),
-        Err(e) => {
-            let msg = e.to_string();
-            assert!(
-                msg.contains(needle),
-                "error {msg:?} does not contain {needle:?}"
-            );
-        }
-    }
 }
 
 #[test]

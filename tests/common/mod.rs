@@ -225,6 +225,20 @@ impl Problem {
     }
 }
 
+/// Asserts that `r` is an error whose message contains `needle`.
+pub fn expect_err<T: std::fmt::Debug>(r: Result<T>, needle: &str) {
+    match r {
+        Ok(v) => panic!("expected an error containing {needle:?}, got Ok({v:?})"),
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains(needle),
+                "error {msg:?} does not contain {needle:?}"
+            );
+        }
+    }
+}
+
 /// max |got − want| / max |want|, in f64; infinite when got has a NaN or inf.
 pub fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
     assert_eq!(got.dims(), want.dims(), "shapes differ");
