@@ -81,7 +81,6 @@ impl CustomOp3 for ComputeOut {
                     let (l0, tc) = (ci * t, yc.len() / hp);
                     let mut cb = vec![0f32; tc * tc];
                     let mut m = vec![0f32; tc * tc];
-                    let mut decay_in = vec![0f32; tc];
                     let bc0 = (bi * seqlen + l0) * gn;
                     for g in 0..ngroups {
                         let cg = MatRef {
@@ -124,10 +123,10 @@ impl CustomOp3 for ComputeOut {
                                 },
                                 None,
                             );
-                            for (tt, dec) in decay_in.iter_mut().enumerate() {
-                                *dec = d_t[tt].exp2();
+                            for (tt, d) in d_t.iter().enumerate() {
+                                let decay = d.exp2();
                                 for v in &mut yh[tt * hp..tt * hp + headdim] {
-                                    *v *= *dec;
+                                    *v *= decay;
                                 }
                             }
                             for tt in 0..tc {
