@@ -2,12 +2,18 @@
 //! fatbins, loaded once per CUDA context, and launched on candle's stream with raw device
 //! pointers; outputs are fresh allocations (filled with NaN first when `MAMBA2_POISON=1`, so
 //! tests can see any element a kernel fails to write).
+//!
+//! On first use of a context, the device's default memory pool (the one candle's stream-ordered
+//! allocations come from) is told to keep freed memory instead of returning it to the driver at
+//! every synchronisation: otherwise each call re-maps its outputs and chunk states (~100–300 µs
+//! for the SSD's tens of MB), which a host call would pay every time. PyTorch's caching allocator
+//! keeps memory the same way.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
     result, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     PushKernelArg, SyncOnDrop,
@@ -46,6 +52,7 @@ struct Cache {
     modules: HashMap<(usize, &'static str), Arc<CudaModule>>,
     functions: HashMap<(usize, String), CudaFunction>,
     info: HashMap<usize, (usize, usize)>,
+    pools: std::collections::HashSet<usize>,
 }
 
 fn cache() -> &'static Mutex<Cache> {
@@ -67,6 +74,9 @@ pub(crate) fn function(stream: &Arc<CudaStream>, image: Image, name: &str) -> Re
     if let Some(f) = c.functions.get(&(key, name.to_string())) {
         return Ok(f.clone());
     }
+    if c.pools.insert(key) && ctx.has_async_alloc() {
+        keep_freed_memory(ctx)?;
+    }
     let module = match c.modules.get(&(key, image.0)) {
         Some(m) => m.clone(),
         None => {
@@ -87,6 +97,25 @@ pub(crate) fn function(stream: &Arc<CudaStream>, image: Image, name: &str) -> Re
     .w()?;
     c.functions.insert((key, name.to_string()), f.clone());
     Ok(f)
+}
+
+/// Raises the release threshold of `ctx`'s device's default memory pool to "never".
+fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<()> {
+    let mut pool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` receives the device's default pool handle, which lives as long as the
+    // device; the attribute value is a u64 as the driver API requires for this attribute.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().w()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()
+        .w()?;
+    }
+    Ok(())
 }
 
 fn device_max_smem(ctx: &Arc<CudaContext>) -> Result<usize> {
