@@ -1,6 +1,7 @@
 //! Benchmarks the whole model on the GPU: random bf16 weights in the shapes of mamba2-130m,
 //! -780m and -2.7b; prefill tokens/s and decode ms/token, ours and candle-transformers 0.11.1's
-//! `mamba2::Model` on the same weights in the same run.
+//! `mamba2::Model` on the same weights in the same run. Decode is timed both replayed from a
+//! captured CUDA graph ([`DecodeGraph`]) and launched kernel by kernel.
 //!
 //! `cargo run --release --features cuda --example bench_model -- [--models 130m,780m,2.7b]`
 
@@ -10,7 +11,7 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use mamba2::model::{Config, Model};
+use mamba2::model::{Config, DecodeGraph, Model};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -36,8 +37,6 @@ struct Args {
         default_value = "130m:1x2048,130m:4x2048,780m:1x2048,130m:d1,130m:d16,2.7b:d1"
     )]
     peer: Vec<String>,
-    #[arg(long, default_value = "cuda")]
-    device: String,
 }
 
 /// d_model, layers, heads of the three sizes (headdim 64, state 128, expand 2, 1 group).
@@ -127,13 +126,10 @@ fn ids(b: usize, l: usize, dev: &Device) -> Result<Tensor> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dev = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        _ => Device::new_cuda(0)?,
-    };
+    let dev = Device::new_cuda(0)?;
     let start = Instant::now();
     let progress = |what: &str| eprintln!("[{:7.1}s] {what}", start.elapsed().as_secs_f64());
-    println!("bench_model: random bf16 weights, vocab {VOCAB}, headdim 64, state 128; prefill = median of {} runs, decode = median step of {} (synchronised per step)", args.reps, args.steps);
+    println!("bench_model: random bf16 weights, vocab {VOCAB}, headdim 64, state 128; prefill = median of {} runs, decode = median step of {} (synchronised per step), replayed from a captured CUDA graph and launched eagerly", args.reps, args.steps);
     println!("| model | run | ours | candle-transformers 0.11.1 |");
     println!("|---|---|---|---|");
     for name in &args.models {
@@ -223,6 +219,25 @@ fn main() -> Result<()> {
                 times.push(t.elapsed().as_secs_f64());
             }
             let ours = median(times);
+            progress(&format!("{name}: decode B={b}: capturing a graph"));
+            let t = Instant::now();
+            let mut graph = DecodeGraph::new(&model, cache)?;
+            sync(&dev)?;
+            let capture = t.elapsed().as_secs_f64();
+            let host_tok: Vec<u32> = tok.to_vec1()?;
+            for _ in 0..5 {
+                graph.step(&host_tok)?;
+            }
+            sync(&dev)?;
+            let mut times = Vec::new();
+            for _ in 0..args.steps {
+                let t = Instant::now();
+                graph.step(&host_tok)?;
+                sync(&dev)?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+            let graphed = median(times);
+            drop(graph);
             let peer_s = if args.peer.iter().any(|p| p == &format!("{name}:d{b}")) {
                 progress(&format!("{name}: candle-transformers decode B={b}"));
                 let mut st = candle_transformers::models::mamba2::State::new(
@@ -255,8 +270,10 @@ fn main() -> Result<()> {
                 "not run".to_string()
             };
             println!(
-                "| {name} | decode B={b} | {:.3} ms/step | {peer_s} |",
-                ours * 1e3
+                "| {name} | decode B={b} | {:.3} ms/step graph, {:.3} eager (capture {:.1} ms) | {peer_s} |",
+                graphed * 1e3,
+                ours * 1e3,
+                capture * 1e3
             );
         }
     }

@@ -58,6 +58,9 @@ struct Args {
     /// Do not stop at the end-of-sequence token
     #[arg(long)]
     ignore_eos: bool,
+    /// On CUDA, launch each decode step's kernels one by one instead of replaying a CUDA graph
+    #[arg(long)]
+    no_cuda_graph: bool,
 }
 
 fn main() -> Result<()> {
@@ -104,6 +107,7 @@ fn main() -> Result<()> {
         },
         stop_strings: args.stop.clone(),
         eos_token_ids: eos,
+        no_cuda_graph: args.no_cuda_graph,
     };
     let generator = Generator::new(model, &tokenizer, config)?;
     let mut stdout = std::io::stdout();

@@ -1,15 +1,16 @@
 //! The model and its conv and norm ops on CUDA (run on a GPU machine with `--features cuda`):
-//! every HF fixture in f32 (max rel err ≤ 1e-3) and bf16, and each CUDA op against its CPU
-//! implementation on fresh random inputs, including row-strided inputs read in place.
+//! every HF fixture in f32 (max rel err ≤ 1e-3) and bf16, decode replayed from a CUDA graph
+//! against eager decode, and each CUDA op against its CPU implementation on fresh random inputs,
+//! including row-strided inputs read in place.
 #![cfg(feature = "cuda")]
 
 mod common;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use common::fixture::{case_names, run_case, Case};
 use common::{rel_err, Rng};
 use mamba2::kernels as k;
-use mamba2::model::Model;
+use mamba2::model::{DecodeGraph, Model};
 
 fn gpu() -> Device {
     std::env::set_var("MAMBA2_POISON", "1");
@@ -51,6 +52,67 @@ fn every_fixture_matches_reference_on_cuda() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// Decode replayed from a captured graph gives eager decode's logits and states on every fixture
+/// (f32 and bf16), from a prefilled cache and again after `reset` and a second prefill in place;
+/// bad ids are refused with a message.
+#[test]
+fn decode_graph_matches_eager_decode() -> Result<()> {
+    let dev = gpu();
+    for name in case_names() {
+        let case = Case::load(&name)?;
+        for dtype in [DType::F32, DType::BF16] {
+            let model = Model::load(&case.dir, dtype, &dev)?;
+            let ids = case.input_ids()?.to_device(&dev)?;
+            let (batch, len) = ids.dims2()?;
+            let l0 = case.prefix_len();
+            let prompt = ids.i((.., ..l0))?;
+            let host: Vec<Vec<u32>> = ids.t()?.to_vec2()?;
+            let mut eager = model.new_cache(batch)?;
+            model.prefill(&prompt, &mut eager)?;
+            let mut graph = DecodeGraph::new(&model, model.new_cache(batch)?)?;
+            for round in 0..2 {
+                graph.cache_mut().reset()?;
+                model.prefill(&prompt, graph.cache_mut())?;
+                if round == 1 {
+                    eager.reset()?;
+                    model.prefill(&prompt, &mut eager)?;
+                }
+                for (t, tokens) in host.iter().enumerate().take(len).skip(l0) {
+                    let want = model.step(&ids.i((.., t))?.contiguous()?, &mut eager)?;
+                    let got = graph.step(tokens)?;
+                    let err = rel_err(&got, &want.to_device(&Device::Cpu)?)?;
+                    assert!(
+                        err <= 1e-6,
+                        "{name} {dtype:?} round {round} token {t}: {err:e}"
+                    );
+                }
+                assert_eq!(graph.cache().tokens(), eager.tokens());
+                for (g, e) in graph.cache().layers().iter().zip(eager.layers()) {
+                    let cpu = |t: &Tensor| t.to_device(&Device::Cpu);
+                    assert!(rel_err(&g.ssm, &cpu(&e.ssm)?)? <= 1e-6, "{name}: ssm state");
+                    assert!(
+                        rel_err(&g.conv, &cpu(&e.conv)?)? <= 1e-6,
+                        "{name}: conv state"
+                    );
+                }
+            }
+            let vocab = model.config().vocab_size as u32;
+            let msg = graph.step(&vec![vocab; batch]).unwrap_err().to_string();
+            assert!(msg.contains("out of the model's vocabulary"), "{msg}");
+            let msg = graph.step(&vec![0; batch + 1]).unwrap_err().to_string();
+            assert!(msg.contains("ids given for a batch"), "{msg}");
+        }
+    }
+    let case = Case::load(&case_names()[0])?;
+    let cpu = Model::load(&case.dir, DType::F32, &Device::Cpu)?;
+    let msg = DecodeGraph::new(&cpu, cpu.new_cache(1)?)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(msg.contains("needs a model on a CUDA device"), "{msg}");
     Ok(())
 }
 

@@ -17,7 +17,7 @@ use std::time::Instant;
 use candle_core::{bail, Result, Tensor};
 use tokenizers::Tokenizer;
 
-use crate::{Config, Model, Sampler, SamplingParams, TextStream};
+use crate::{Cache, Config, Model, Sampler, SamplingParams, TextStream};
 
 /// What to generate and when to stop.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -28,6 +28,9 @@ pub struct GenerationConfig {
     pub stop_strings: Vec<String>,
     /// Generation ends when one of these tokens is drawn (it is not output).
     pub eos_token_ids: Vec<u32>,
+    /// On CUDA, launch each decode step's kernels one by one instead of replaying the step as a
+    /// captured CUDA graph ([`crate::DecodeGraph`]; its capture counts as decode time).
+    pub no_cuda_graph: bool,
 }
 
 /// Why generation ended.
@@ -161,6 +164,7 @@ impl<'a> Generator<'a> {
         let mut stop = StopReason::MaxNewTokens;
         let mut decode_steps = 0;
         let start = Instant::now();
+        let mut decoder = Decoder::new(model, cache, self.config.no_cuda_graph)?;
         for i in 0..self.config.max_new_tokens {
             let token = sampler.sample(&logits, &history)?;
             if self.config.eos_token_ids.contains(&token) {
@@ -174,8 +178,7 @@ impl<'a> Generator<'a> {
                 break;
             }
             if i + 1 < self.config.max_new_tokens {
-                let ids = Tensor::new(&[token], device)?;
-                logits = model.step(&ids, &mut cache)?.squeeze(0)?;
+                logits = decoder.step(token)?;
                 decode_steps += 1;
             }
         }
@@ -201,6 +204,39 @@ impl<'a> Generator<'a> {
 
 /// Passes text on, cutting it before the first stop string and holding back any tail that may
 /// still grow into one.
+/// Decode steps one kernel at a time, or replayed from a captured CUDA graph.
+enum Decoder<'m> {
+    Eager {
+        model: &'m Model,
+        cache: Cache,
+    },
+    #[cfg(feature = "cuda")]
+    Graph(crate::DecodeGraph<'m>),
+}
+
+impl<'m> Decoder<'m> {
+    fn new(model: &'m Model, cache: Cache, eager: bool) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if !eager && model.device().is_cuda() {
+            return Ok(Self::Graph(crate::DecodeGraph::new(model, cache)?));
+        }
+        let _ = eager;
+        Ok(Self::Eager { model, cache })
+    }
+
+    /// The logits `[V]` after `token`.
+    fn step(&mut self, token: u32) -> Result<Tensor> {
+        match self {
+            Self::Eager { model, cache } => {
+                let ids = Tensor::new(&[token], model.device())?;
+                model.step(&ids, cache)?.squeeze(0)
+            }
+            #[cfg(feature = "cuda")]
+            Self::Graph(graph) => graph.step(&[token])?.squeeze(0),
+        }
+    }
+}
+
 struct StopFilter<'s> {
     stops: &'s [String],
     text: String,

@@ -1,13 +1,15 @@
 //! The Mamba-2 language model on the `mamba2-kernels` ops: configuration ([`Config`], both
 //! `config.json` formats), checkpoint loading ([`Checkpoint`]: safetensors, sharded or not, and
 //! PyTorch pickles), the model ([`Model`]: prefill in bounded pieces and one-token decode over a
-//! [`Cache`]) and text generation ([`Generator`], with [`Sampler`] and the UTF-8-safe
+//! [`Cache`]; with `cuda`, [`DecodeGraph`] replays a decode step as a CUDA graph) and text generation ([`Generator`], with [`Sampler`] and the UTF-8-safe
 //! [`TextStream`]); [`hub`] downloads model directories from the Hugging Face Hub.
 
 mod cache;
 mod checkpoint;
 mod config;
 mod generator;
+#[cfg(feature = "cuda")]
+mod graph;
 #[cfg(feature = "hub")]
 pub mod hub;
 mod mixer;
@@ -20,6 +22,8 @@ pub use cache::{Cache, LayerState};
 pub use checkpoint::{Checkpoint, PYTORCH_BIN, SAFETENSORS, SHARD_INDEX};
 pub use config::{Config, ConfigFormat};
 pub use generator::{eos_token_ids, Generation, GenerationConfig, Generator, StopReason};
+#[cfg(feature = "cuda")]
+pub use graph::DecodeGraph;
 pub use mixer::Mixer;
 pub use model::{Model, DEFAULT_PREFILL_PIECE_LEN};
 pub use sampler::{Sampler, SamplingParams};

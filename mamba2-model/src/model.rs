@@ -192,6 +192,13 @@ impl Model {
 
     /// Feeds one token per sequence, `ids [B]`, and returns the next-token logits `[B,V]` (f32).
     pub fn step(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let logits = self.step_logits(ids, cache)?;
+        cache.advance(1);
+        Ok(logits)
+    }
+
+    /// [`Model::step`] without counting the token in `cache` (a captured step counts per replay).
+    pub(crate) fn step_logits(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
         let batch = match ids.dims() {
             &[b] => b,
             d => bail!("step: ids must have shape [B], got {d:?}"),
@@ -205,7 +212,6 @@ impl Model {
             h = block.mixer.step(&normed, state)?;
         }
         let (h, _) = self.norm(&h, residual.as_ref(), &self.norm_f)?;
-        cache.advance(1);
         self.logits(&h)
     }
 
