@@ -292,6 +292,7 @@ struct StepDims {
     dstate: i32,
     softplus: i32,
     d_per_channel: i32,
+    rows_per_block: i32,
     lo: f32,
     hi: f32,
     x_stride: i64,
@@ -339,6 +340,15 @@ pub(crate) fn ssd_step(
     let y_p = ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0;
     let state_dtype = st_s.dtype();
     let (st_p, _g7) = ptr(name, "state", st_s, st_l, &stream)?;
+    // One warp per state row while (batch, head) pairs alone cannot fill the GPU; a whole head
+    // per program once they can (fewer, longer programs stream better at large batch).
+    let warps = d.headdim.clamp(1, 8);
+    let heads = d.batch * d.nheads;
+    let rows_per_block = if heads < 4 * sm_count(&stream)? {
+        warps
+    } else {
+        d.headdim
+    };
     let sd = StepDims {
         batch: i(d.batch)?,
         nheads: i(d.nheads)?,
@@ -347,6 +357,7 @@ pub(crate) fn ssd_step(
         dstate: i(d.dstate)?,
         softplus: op.dt_softplus as i32,
         d_per_channel: op.d.as_ref().is_some_and(|t| t.rank() == 2) as i32,
+        rows_per_block: i(rows_per_block)?,
         lo: op.dt_limit.0,
         hi: op.dt_limit.1,
         // Row strides → batch strides: x and z have H rows of P per batch, b and c G rows of N.
@@ -356,19 +367,34 @@ pub(crate) fn ssd_step(
         c_stride: c_stride * d.ngroups as i64,
         z_stride: z_stride * d.nheads as i64,
     };
-    let vec = d.dstate % 4 == 0 && st_p % 16 == 0;
+    // Vector accesses: 4 columns per lane from 16-byte (f32) or 8-byte aligned rows of B, C and
+    // the state, up to 256 columns held in registers.
+    let quad = 4 * x_s.dtype().size_in_bytes();
+    let vec = d.dstate % 4 == 0
+        && d.dstate <= 256
+        && st_p % 16 == 0
+        && [b_p, c_p].iter().all(|&p| p as usize % quad == 0)
+        && [sd.b_stride, sd.c_stride].iter().all(|&s| s % 4 == 0);
+    let path = match (vec, d.dstate <= 128) {
+        (false, _) => "scalar",
+        (true, true) => "vec1",
+        (true, false) => "vec2",
+    };
     let fname = format!(
-        "ssd_step_{}_{}_{}",
+        "ssd_step_{}_{}_{path}",
         dtype_name(name, x_s.dtype())?,
         dtype_name(name, state_dtype)?,
-        if vec { "vec" } else { "scalar" }
     );
     let f = function(&stream, SSD_STEP, &fname)?;
-    let warps = d.headdim.clamp(1, 8) as u32;
+    let row_blocks = d.headdim.div_ceil(rows_per_block);
     launch(
         &stream,
         &f,
-        cfg(((d.batch * d.nheads) as u32, 1, 1), (32 * warps, 1, 1), 0),
+        cfg(
+            (heads as u32, row_blocks as u32, 1),
+            (32 * warps as u32, 1, 1),
+            0,
+        ),
         &[
             &st_p, &x_p, &dt_p, &a_p, &bias_p, &b_p, &c_p, &d_p, &z_p, &y_p, &sd,
         ],
