@@ -1,6 +1,7 @@
 //! Launchers of the SSD ops. Dispatch: bf16/f16 values on the tensor-core kernels when
-//! P % 32 == 0 and N % 16 == 0 (and the chunk fits the MMA tiling); everything else — f32, odd
-//! sizes — on the SIMT kernels.
+//! P % 32 == 0 and N % 16 == 0 (fwd_pass_state: a state tile of 64×16, 32×32 or larger divides
+//! [P, N]) and the chunk fits the MMA tiling; everything else — f32, odd sizes — on the SIMT
+//! kernels.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
@@ -134,49 +135,26 @@ pub(crate) fn fwd_pass_state(
         dtype_name(name, x_s.dtype())?,
         dtype_name(name, op.state_dtype)?,
     );
-    let mma = matches!(x_s.dtype(), DType::BF16 | DType::F16)
-        && d.headdim % 32 == 0
-        && d.dstate % 16 == 0;
     let bh = (d.batch * d.nheads) as u32;
-    if mma && init_p % 16 == 0 {
-        // Every chunk's contribution in parallel, then the scan across chunks in place.
-        let warps = if d.headdim % 64 == 0 { 4 } else { 2 };
-        let ptile = 16 * warps;
-        let nt = [128, 64, 32, 16]
-            .into_iter()
-            .find(|nt| d.dstate % nt == 0)
-            .unwrap_or(16);
-        let smem = chunk * (ptile + 8) * 2 + chunk * (nt + 8) * 2 + 2 * chunk * 4;
-        if smem <= max_smem(&stream)? {
+    let shape = Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate));
+    if matches!(x_s.dtype(), DType::BF16 | DType::F16) && chunk % 16 == 0 {
+        let (sms, max) = (sm_count(&stream)?, max_smem(&stream)?);
+        if let Some(tile) = state_tile(&d, chunk, op.state_dtype.size_in_bytes(), sms, max) {
+            let (pt, nt) = (tile.pt, tile.nt);
             let f = function(
                 &stream,
                 FWD_PASS_STATE,
-                &format!("chunk_state_mma_{t}_{s}_w{warps}_n{nt}"),
+                &format!("fwd_pass_state_mma_{t}_{s}_p{pt}_n{nt}"),
             )?;
-            let grid = (
-                (d.batch * d.nheads * nchunks) as u32,
-                (d.dstate / nt) as u32,
-                (d.headdim / ptile) as u32,
-            );
+            let grid = ((d.dstate / nt) as u32, (d.headdim / pt) as u32, bh);
+            let stages = tile.stages as i32;
             launch(
                 &stream,
                 &f,
-                cfg(grid, (32 * warps as u32, 1, 1), smem),
-                &[&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
+                cfg(grid, (128, 1, 1), tile.smem),
+                &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd, &stages],
             )?;
-            let vec = if op.state_dtype == DType::F32 { 4 } else { 8 };
-            let f = function(&stream, FWD_PASS_STATE, &format!("state_scan_{s}"))?;
-            let grid = ((d.headdim * d.dstate / vec).div_ceil(256) as u32, bh, 1);
-            launch(
-                &stream,
-                &f,
-                cfg(grid, (256, 1, 1), 0),
-                &[&da_p, &init_p, &out_p, &kd],
-            )?;
-            return Ok((
-                out,
-                Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate)),
-            ));
+            return Ok((out, shape));
         }
     }
     let f = function(
@@ -191,10 +169,56 @@ pub(crate) fn fwd_pass_state(
         cfg(grid, (256, 1, 1), chunk * 4),
         &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd],
     )?;
-    Ok((
-        out,
-        Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate)),
-    ))
+    Ok((out, shape))
+}
+
+/// A launch of fwd_pass_state_mma: its [P-tile, N-tile] state tile, chunk buffers, shared bytes.
+struct StateTile {
+    pt: usize,
+    nt: usize,
+    stages: usize,
+    smem: usize,
+}
+
+/// The state tile and pipeline depth for fwd_pass_state_mma, or None where no tile fits.
+///
+/// A program walks every chunk of its (batch, head), so its time is per-token work: loading its
+/// x and b columns (PT + NT values; x is re-read by every N-tile, b by every head and P-tile) and
+/// PT·NT multiply-adds, the MMA worth about 1/50 of a loaded value. Programs beyond one per SM
+/// share the SMs, so the cost is (programs per SM) × per-program work. The deepest pipeline (up
+/// to 4 chunks) that lets those programs sit on an SM together is taken.
+fn state_tile(
+    d: &SsdDims,
+    chunk: usize,
+    state_bytes: usize,
+    sms: usize,
+    max_smem: usize,
+) -> Option<StateTile> {
+    let smem = |pt: usize, nt: usize, stages: usize| {
+        stages * chunk * ((pt + 8 + nt + 8) * 2 + 8)
+            + 4 * 16 * (nt + 8) * state_bytes
+            + 4 * chunk * 2
+    };
+    let per_sm = |pt: usize, nt: usize| {
+        (d.batch * d.nheads * (d.headdim / pt) * (d.dstate / nt)).div_ceil(sms)
+    };
+    let (pt, nt) = [(64, 64), (64, 32), (32, 64), (32, 32), (64, 16)]
+        .into_iter()
+        .filter(|&(pt, nt)| {
+            d.headdim % pt == 0 && d.dstate % nt == 0 && smem(pt, nt, 2) <= max_smem
+        })
+        .min_by_key(|&(pt, nt)| per_sm(pt, nt) * (50 * (pt + nt) + pt * nt))?;
+    let budget = (max_smem / per_sm(pt, nt)).saturating_sub(1024);
+    let stages = (3..=4)
+        .rev()
+        .find(|&s| smem(pt, nt, s) <= budget)
+        .unwrap_or(2);
+    Some(StateTile {
+        pt,
+        nt,
+        stages,
+        smem: smem(pt, nt, stages),
+    })
 }
 
 pub(crate) fn compute_out(
