@@ -265,34 +265,34 @@ pub(crate) fn compute_out(
         && d.dstate % 16 == 0
         && chunk % 32 == 0
         && chunk >= 64;
-    if mma {
-        let ptile = if d.headdim % 64 == 0 { 64 } else { 32 };
-        let smem = 2 * chunk * (d.dstate + 8) * 2
-            + chunk * (ptile + 8) * 2
-            + ptile * (d.dstate + 8) * 2
-            + 2 * chunk * 4;
-        if smem <= max_smem(&stream)? {
-            let target = 2 * sm_count(&stream)?;
-            let hpg = d.heads_per_group();
-            let mut hb = 1;
-            while hpg % (hb * 2) == 0 && nchunks * d.batch * d.nheads / (hb * 2) >= target {
-                hb *= 2;
-            }
-            kd.heads_per_block = i(hb)?;
-            let f = function(
-                &stream,
-                COMPUTE_OUT,
-                &format!("compute_out_mma_{t}_{s}_p{ptile}"),
-            )?;
-            let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
-            launch(
-                &stream,
-                &f,
-                cfg(grid, (chunk as u32, 1, 1), smem),
-                &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
-            )?;
-            return Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))));
-        }
+    let limit = max_smem(&stream)?;
+    // Programs resident per SM: the opt-in limit plus the 1 KiB reserved per program is the
+    // SM's shared memory; at most 2048 threads.
+    let resident = |smem: usize| ((limit + 1024) / (smem + 1024)).min(2048 / chunk);
+    // The P-tile that fits and keeps the most warps resident per SM; the larger on a tie.
+    let best = [64, 32]
+        .into_iter()
+        .filter(|pt| d.headdim % pt == 0)
+        .map(|pt| (pt, mma_smem(chunk, d.dstate, pt)))
+        .filter(|&(_, smem)| smem <= limit)
+        .max_by_key(|&(pt, smem)| (resident(smem), pt));
+    if let (true, Some((ptile, smem))) = (mma, best) {
+        let slots = sm_count(&stream)? * resident(smem);
+        let hb = heads_per_block(nchunks * d.batch * d.nheads, d.heads_per_group(), slots);
+        kd.heads_per_block = i(hb)?;
+        let f = function(
+            &stream,
+            COMPUTE_OUT,
+            &format!("compute_out_mma_{t}_{s}_p{ptile}"),
+        )?;
+        let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
+        launch(
+            &stream,
+            &f,
+            cfg(grid, (chunk as u32, 1, 1), smem),
+            &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
+        )?;
+        return Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))));
     }
     let f = function(&stream, COMPUTE_OUT, &format!("compute_out_simt_{t}_{s}"))?;
     let grid = (nchunks as u32, (d.batch * d.nheads) as u32, 1);
@@ -303,6 +303,27 @@ pub(crate) fn compute_out(
         &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
     )?;
     Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
+}
+
+/// Shared memory of `compute_out_mma` in bytes (its `Layout`, 2-byte values): c, C·Bᵀ in
+/// 16×16 blocks at or below the diagonal, and two unit buffers (x tile, state tile, four f32
+/// scalars per token) that also hold b at the start.
+fn mma_smem(chunk: usize, dstate: usize, ptile: usize) -> usize {
+    let rblocks = chunk / 16;
+    let tile = chunk * (dstate + 8) * 2;
+    let buf = chunk * (ptile + 8) * 2 + ptile * (dstate + 8) * 2 + 16 * chunk;
+    tile + rblocks * (rblocks + 1) / 2 * 512 + (2 * buf).max(tile)
+}
+
+/// Heads per program for `compute_out_mma`: a divisor of the heads per group, chosen by waves of
+/// `slots` resident programs times each program's work (its heads plus the shared c/b load and
+/// C·Bᵀ, worth about 0.7 of a head).
+fn heads_per_block(head_chunks: usize, heads_per_group: usize, slots: usize) -> usize {
+    let cost = |hb: usize| head_chunks.div_ceil(hb).div_ceil(slots.max(1)) * (10 * hb + 7);
+    (1..=heads_per_group)
+        .filter(|hb| heads_per_group % hb == 0)
+        .min_by_key(|&hb| (cost(hb), usize::MAX - hb))
+        .unwrap_or(1)
 }
 
 /// The dimensions as the step kernel reads them.
