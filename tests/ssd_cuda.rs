@@ -105,6 +105,8 @@ fn spec(
     s
 }
 
+/// The tensor-core kernels: N = 256 takes the chunk-walking fwd_pass_state (where its tile fits),
+/// the other shapes the chunk-parallel pair; P = 96 exercises compute_out's P-tile of 32.
 #[test]
 fn tensor_core_shapes_match_reference() -> Result<()> {
     let mut worst = 0f64;

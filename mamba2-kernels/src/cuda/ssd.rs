@@ -139,7 +139,10 @@ pub(crate) fn fwd_pass_state(
     let shape = Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate));
     if matches!(x_s.dtype(), DType::BF16 | DType::F16) && chunk % 16 == 0 {
         let (sms, max) = (sm_count(&stream)?, max_smem(&stream)?);
-        if let Some(tile) = state_tile(&d, chunk, op.state_dtype.size_in_bytes(), sms, max) {
+        let tile = state_tile(&d, chunk, op.state_dtype.size_in_bytes(), sms, max);
+        let pair = chunk_state_tile(&d, chunk, init_p, max);
+        let walk = tile.filter(|_| pair.is_none() || walk_wins(&d, nchunks, sms));
+        if let Some(tile) = walk {
             let (pt, nt) = (tile.pt, tile.nt);
             let f = function(
                 &stream,
@@ -153,6 +156,35 @@ pub(crate) fn fwd_pass_state(
                 &f,
                 cfg(grid, (128, 1, 1), tile.smem),
                 &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd, &stages],
+            )?;
+            return Ok((out, shape));
+        }
+        if let Some((warps, nt, smem)) = pair {
+            // Every chunk's own contribution in parallel, then the scan across chunks.
+            let f = function(
+                &stream,
+                FWD_PASS_STATE,
+                &format!("chunk_state_mma_{t}_{s}_w{warps}_n{nt}"),
+            )?;
+            let grid = (
+                (d.batch * d.nheads * nchunks) as u32,
+                (d.dstate / nt) as u32,
+                (d.headdim / (16 * warps)) as u32,
+            );
+            launch(
+                &stream,
+                &f,
+                cfg(grid, (32 * warps as u32, 1, 1), smem),
+                &[&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
+            )?;
+            let vec = if op.state_dtype == DType::F32 { 4 } else { 8 };
+            let f = function(&stream, FWD_PASS_STATE, &format!("state_scan_{s}"))?;
+            let grid = ((d.headdim * d.dstate / vec).div_ceil(256) as u32, bh, 1);
+            launch(
+                &stream,
+                &f,
+                cfg(grid, (256, 1, 1), 0),
+                &[&da_p, &init_p, &out_p, &kd],
             )?;
             return Ok((out, shape));
         }
@@ -170,6 +202,36 @@ pub(crate) fn fwd_pass_state(
         &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd],
     )?;
     Ok((out, shape))
+}
+
+/// Whether the chunk-walking kernel (`fwd_pass_state_mma`, one pass, each program sequential over
+/// the chunks) beats the chunk-parallel pair (`chunk_state_mma` + `state_scan`, three passes over
+/// the states). On the H200 (bench/RESULTS.md, session 3 run 4) the walk wins only when its
+/// programs fill the GPU and the walk is short (B=1, H=80, L=2048: 45 vs 52 µs) or when N ≥ 256
+/// (N=256, L=16384: 258 vs 307 µs); with few programs or long walks its per-chunk latency
+/// dominates (B=4, H=8, N=128, L=16384: 265 vs 187 µs; B=1, H=24, L=2048: 34 vs 24 µs).
+fn walk_wins(d: &SsdDims, nchunks: usize, sms: usize) -> bool {
+    let programs = d.batch * d.nheads * d.headdim.div_ceil(64) * d.dstate.div_ceil(64);
+    (programs >= sms && nchunks <= 32) || d.dstate >= 256
+}
+
+/// The launch of `chunk_state_mma` — (warps, N-tile, shared bytes) — if the shape suits it: P a
+/// multiple of 32, N of 16, a 16-byte aligned initial state, and a chunk that fits in shared memory.
+fn chunk_state_tile(
+    d: &SsdDims,
+    chunk: usize,
+    init_p: u64,
+    max_smem: usize,
+) -> Option<(usize, usize, usize)> {
+    if d.headdim % 32 != 0 || d.dstate % 16 != 0 || init_p % 16 != 0 {
+        return None;
+    }
+    let warps = if d.headdim % 64 == 0 { 4 } else { 2 };
+    let nt = [128, 64, 32, 16]
+        .into_iter()
+        .find(|nt| d.dstate % nt == 0)?;
+    let smem = chunk * (16 * warps + 8) * 2 + chunk * (nt + 8) * 2 + 2 * chunk * 4;
+    (smem <= max_smem).then_some((warps, nt, smem))
 }
 
 /// A launch of fwd_pass_state_mma: its [P-tile, N-tile] state tile, chunk buffers, shared bytes.
