@@ -14,6 +14,7 @@ const KERNELS: &[&str] = &[
     "ssd_step",
     "causal_conv1d",
     "rms_norm",
+    "matvec",
 ];
 
 fn nvcc() -> PathBuf {

@@ -18,8 +18,10 @@ fn gpu() -> Device {
 }
 
 /// Every fixture on the GPU: f32 within 1e-3 of the reference. bf16 rounds the weights, which
-/// alone moves the logits by up to ~2e-2 (the CPU bf16 model shows it): the GPU bf16 model must
-/// stay within 2e-2 or within 10% of the CPU bf16 model's own error, whichever is larger.
+/// alone moves the logits by up to ~2.4e-2 (the CPU bf16 model shows it), and every bf16 op output
+/// is rounded again after sums taken in another order than on the CPU (cuBLAS, the decode
+/// projections' matvec kernel): the GPU bf16 model must stay within 2e-2, or within 1e-2 of the
+/// CPU bf16 model's own error where that is larger.
 #[test]
 fn every_fixture_matches_reference_on_cuda() -> Result<()> {
     let dev = gpu();
@@ -44,7 +46,7 @@ fn every_fixture_matches_reference_on_cuda() -> Result<()> {
                 "{name}: f32 {what} rel err {:e}",
                 f32_errs[i]
             );
-            let tol = 2e-2f64.max(1.1 * cpu_bf16[i]);
+            let tol = 2e-2f64.max(cpu_bf16[i] + 1e-2);
             assert!(
                 bf16_errs[i] <= tol,
                 "{name}: bf16 {what} rel err {:e} > {tol:e}",
@@ -116,6 +118,40 @@ fn decode_graph_matches_eager_decode() -> Result<()> {
     Ok(())
 }
 
+/// The few-row linear kernel against the CPU op: vector (K % 8 == 0) and scalar kernels, 1 to 11
+/// rows (programs of 1, 2, 4 and 8 rows), 2 or 8 columns per program, column counts off them,
+/// with and without bias.
+#[test]
+fn matvec_matches_cpu() -> Result<()> {
+    let dev = gpu();
+    let mut rng = Rng::new(17);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        let shapes = [
+            (1, 2560, 1000),
+            (1, 512, 5000),
+            (2, 256, 4500),
+            (2, 77, 13),
+            (3, 128, 100),
+            (8, 512, 333),
+            (11, 64, 50),
+        ];
+        for (rows, k, n) in shapes {
+            let x = rng.tensor(&[rows, k], 1.0, &Device::Cpu)?.to_dtype(dtype)?;
+            let w = rng.tensor(&[n, k], 0.05, &Device::Cpu)?.to_dtype(dtype)?;
+            let bias = rng.tensor(&[n], 1.0, &Device::Cpu)?.to_dtype(dtype)?;
+            for b in [None, Some(&bias)] {
+                let want = k::matvec(&x, &w, b)?;
+                let gb = b.map(|t| t.to_device(&dev)).transpose()?;
+                let got = k::matvec(&x.to_device(&dev)?, &w.to_device(&dev)?, gb.as_ref())?;
+                let err = rel_err(&got, &want)?;
+                assert!(err <= tol, "{dtype:?} {rows}x{k}x{n}: {err:e}");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A random `[rows, wide]` tensor and its `[.., off..off + width]` slice, on `dev`.
 fn slice(
     rng: &mut Rng,
@@ -178,22 +214,27 @@ fn conv_and_norms_match_cpu() -> Result<()> {
             "{dtype:?}: conv step state"
         );
 
-        // Gated norm with a row-strided gate, two groups.
-        let y = rng.tensor(&[b, l, d], 1.0, &dev)?.to_dtype(dtype)?;
-        let z = slice(&mut rng, &[b, l, d], 300, 100, dtype, &dev)?;
-        let nw = rng.tensor(&[d], 1.0, &dev)?.to_dtype(dtype)?;
-        let g = k::gated_rms_norm(&y, &z, &nw, d / 2, 1e-5)?;
-        let gc = k::gated_rms_norm(&cpu(&y)?, &cpu(&z)?, &cpu(&nw)?, d / 2, 1e-5)?;
-        assert!(rel_err(&g, &gc)? <= tol, "{dtype:?}: gated norm");
+        // The norms' kernels: rows in registers as vectors (aligned rows) or strided values (a
+        // gate at an odd offset), and rows too long for registers (16,400 values).
+        for (d, wide, off) in [(96, 300, 100), (96, 304, 8), (16_400, 16_408, 8)] {
+            // Gated norm with a row-strided gate, two groups.
+            let y = rng.tensor(&[b, l, d], 1.0, &dev)?.to_dtype(dtype)?;
+            let z = slice(&mut rng, &[b, l, d], wide, off, dtype, &dev)?;
+            let nw = rng.tensor(&[d], 1.0, &dev)?.to_dtype(dtype)?;
+            let g = k::gated_rms_norm(&y, &z, &nw, d / 2, 1e-5)?;
+            let gc = k::gated_rms_norm(&cpu(&y)?, &cpu(&z)?, &cpu(&nw)?, d / 2, 1e-5)?;
+            assert!(rel_err(&g, &gc)? <= tol, "{dtype:?} d={d}: gated norm");
 
-        // Residual add + norm, residual in f32 and in the value dtype.
-        for fp32 in [true, false] {
-            let rdt = if fp32 { DType::F32 } else { dtype };
-            let res = rng.tensor(&[b, l, d], 1.0, &dev)?.to_dtype(rdt)?;
-            let (n, r) = k::add_rms_norm(&y, Some(&res), &nw, 1e-5, fp32)?;
-            let (nc, rc) = k::add_rms_norm(&cpu(&y)?, Some(&cpu(&res)?), &cpu(&nw)?, 1e-5, fp32)?;
-            assert!(rel_err(&n, &nc)? <= tol, "{dtype:?}/{fp32}: add norm");
-            assert!(rel_err(&r, &rc)? <= tol, "{dtype:?}/{fp32}: residual");
+            // Residual add + norm, residual in f32 and in the value dtype.
+            for fp32 in [true, false] {
+                let rdt = if fp32 { DType::F32 } else { dtype };
+                let res = rng.tensor(&[b, l, d], 1.0, &dev)?.to_dtype(rdt)?;
+                let (n, r) = k::add_rms_norm(&y, Some(&res), &nw, 1e-5, fp32)?;
+                let (nc, rc) =
+                    k::add_rms_norm(&cpu(&y)?, Some(&cpu(&res)?), &cpu(&nw)?, 1e-5, fp32)?;
+                assert!(rel_err(&n, &nc)? <= tol, "{dtype:?}/{fp32} d={d}: add norm");
+                assert!(rel_err(&r, &rc)? <= tol, "{dtype:?}/{fp32} d={d}: residual");
+            }
         }
     }
     Ok(())

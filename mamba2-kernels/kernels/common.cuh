@@ -1,5 +1,6 @@
 // Shared device helpers of the Mamba-2 kernels: value conversions, fast exp2, softplus and the
-// dt processing of mamba_ssm, warp reductions, cp.async and the m16n8k16 tensor-core primitives.
+// dt processing of mamba_ssm, the wait of programmatic dependent launch, warp reductions, 8-value
+// vector loads, cp.async and the m16n8k16 tensor-core primitives.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,6 +34,15 @@ __device__ __forceinline__ float process_dt(float raw, float bias, bool sp, floa
   float v = raw + bias;
   if (sp) v = softplus(v);
   return fminf(fmaxf(v, lo), hi);
+}
+
+// Programmatic dependent launch: the launchers let a kernel be scheduled while the kernel before
+// it on the stream drains. Every kernel calls this first, before touching global memory: it
+// returns once that kernel has finished and its writes are visible. A no-op before sm_90.
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ float silu(float z) { return z / (1.f + __expf(-z)); }
@@ -109,6 +119,67 @@ template <> struct Mma<__half> {
   __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+// Eight consecutive values: loaded raw (16 bytes of bf16/f16, 32 of f32), unpacked to f32 at use;
+// stored from f32.
+template <typename T> struct Vec8;
+template <> struct Vec8<float> {
+  struct Raw {
+    float4 a, b;
+  };
+  __device__ __forceinline__ static Raw load(const float* p, bool stream) {
+    const float4* q = reinterpret_cast<const float4*>(p);
+    return stream ? Raw{__ldcs(q), __ldcs(q + 1)} : Raw{q[0], q[1]};
+  }
+  __device__ __forceinline__ static void unpack(const Raw& u, float (&v)[8]) {
+    v[0] = u.a.x; v[1] = u.a.y; v[2] = u.a.z; v[3] = u.a.w;
+    v[4] = u.b.x; v[5] = u.b.y; v[6] = u.b.z; v[7] = u.b.w;
+  }
+  __device__ __forceinline__ static void store(float* p, const float (&v)[8]) {
+    float4* q = reinterpret_cast<float4*>(p);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+};
+template <typename H2, float2 (*TO)(H2)>
+__device__ __forceinline__ void unpack8(const uint4& u, float (&v)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = TO(*reinterpret_cast<const H2*>(&w[i]));
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ float2 bf2f(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 h2f(__half2 v) { return __half22float2(v); }
+template <typename T> struct Vec8Half {
+  using Raw = uint4;
+  __device__ __forceinline__ static Raw load(const T* p, bool stream) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    return stream ? __ldcs(q) : q[0];
+  }
+  __device__ __forceinline__ static void store(T* p, const float (&v)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const T lo = from_f<T>(v[2 * i]), hi = from_f<T>(v[2 * i + 1]);
+      w[i] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&lo)) |
+             (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+template <> struct Vec8<__nv_bfloat16> : Vec8Half<__nv_bfloat16> {
+  __device__ __forceinline__ static void unpack(const Raw& u, float (&v)[8]) {
+    unpack8<__nv_bfloat162, bf2f>(u, v);
+  }
+};
+template <> struct Vec8<__half> : Vec8Half<__half> {
+  __device__ __forceinline__ static void unpack(const Raw& u, float (&v)[8]) {
+    unpack8<__half2, h2f>(u, v);
   }
 };
 

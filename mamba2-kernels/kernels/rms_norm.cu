@@ -1,4 +1,5 @@
-// The two RMSNorms of a Mamba-2 block, one program per row (per group for the gated one):
+// The two RMSNorms of a Mamba-2 block, one program per row (per group for the gated one), up to
+// 1024 threads each:
 //   gated:  g = x·silu(z),  y = g / sqrt(mean_group(g²) + eps) · w      (mamba_ssm RMSNormGated)
 //   add:    r = x + residual, y = r / sqrt(mean(r²) + eps) · w, and r is the new residual
 // x, z, y and w of type T; z rows may be strided (a slice of in_proj's output); the residual is
@@ -17,7 +18,11 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return m2::warp_sum(s);
 }
 
-template <typename T>
+// A row of `len` values, element i at thread i % blockDim, slot i / blockDim: with V > 0 the
+// blockDim·V values (and their weights) stay in registers between the sum of squares and the
+// output, so every global load of the row is issued up front (one memory round trip per row, which at decode's single
+// row is the kernel's whole cost); V = 0 re-reads the row (any length).
+template <typename T, int V>
 __device__ void gated_rms_norm(const T* __restrict__ x, const T* __restrict__ z,
                                const T* __restrict__ w, T* __restrict__ y, int D, int group,
                                long z_stride, float eps) {
@@ -26,20 +31,36 @@ __device__ void gated_rms_norm(const T* __restrict__ x, const T* __restrict__ z,
   const int g0 = blockIdx.y * group;
   const T* xr = x + row * D + g0;
   const T* zr = z + row * z_stride + g0;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < group; i += blockDim.x) {
-    const float g = m2::to_f(xr[i]) * m2::silu(m2::to_f(zr[i]));
-    ss += g * g;
-  }
-  const float scale = rsqrtf(block_sum(ss, red) / group + eps);
   T* yr = y + row * D + g0;
-  for (int i = threadIdx.x; i < group; i += blockDim.x) {
-    const float g = m2::to_f(xr[i]) * m2::silu(m2::to_f(zr[i]));
-    yr[i] = m2::from_f<T>(g * scale * m2::to_f(w[g0 + i]));
+  auto gate = [&](int i) { return m2::to_f(xr[i]) * m2::silu(m2::to_f(zr[i])); };
+  float ss = 0.f;
+  if constexpr (V > 0) {
+    float g[V], wv[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      g[j] = i < group ? gate(i) : 0.f;
+      wv[j] = i < group ? m2::to_f(w[g0 + i]) : 0.f;
+      ss += g[j] * g[j];
+    }
+    const float scale = rsqrtf(block_sum(ss, red) / group + eps);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      if (i < group) yr[i] = m2::from_f<T>(g[j] * scale * wv[j]);
+    }
+  } else {
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+      const float g = gate(i);
+      ss += g * g;
+    }
+    const float scale = rsqrtf(block_sum(ss, red) / group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x)
+      yr[i] = m2::from_f<T>(gate(i) * scale * m2::to_f(w[g0 + i]));
   }
 }
 
-template <typename T, typename R>
+template <typename T, typename R, int V>
 __device__ void add_rms_norm(const T* __restrict__ x, const R* __restrict__ res,
                              const T* __restrict__ w, T* __restrict__ y, R* __restrict__ res_out,
                              int D, float eps) {
@@ -47,36 +68,137 @@ __device__ void add_rms_norm(const T* __restrict__ x, const R* __restrict__ res,
   const long row = blockIdx.x;
   const T* xr = x + row * D;
   const R* rr = res ? res + row * D : nullptr;
+  auto sum = [&](int i) { return m2::to_f(xr[i]) + (rr ? m2::to_f(rr[i]) : 0.f); };
   float ss = 0.f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    const float r = m2::to_f(xr[i]) + (rr ? m2::to_f(rr[i]) : 0.f);
-    res_out[row * D + i] = m2::from_f<R>(r);
-    ss += r * r;
+  if constexpr (V > 0) {
+    float r[V], wv[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      r[j] = i < D ? sum(i) : 0.f;
+      wv[j] = i < D ? m2::to_f(w[i]) : 0.f;
+      ss += r[j] * r[j];
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      if (i < D) res_out[row * D + i] = m2::from_f<R>(r[j]);
+    }
+    const float scale = rsqrtf(block_sum(ss, red) / D + eps);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      if (i < D) y[row * D + i] = m2::from_f<T>(r[j] * scale * wv[j]);
+    }
+  } else {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const float r = sum(i);
+      res_out[row * D + i] = m2::from_f<R>(r);
+      ss += r * r;
+    }
+    const float scale = rsqrtf(block_sum(ss, red) / D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+      y[row * D + i] = m2::from_f<T>(sum(i) * scale * m2::to_f(w[i]));
+  }
+}
+
+// The row in registers as 8 consecutive values per thread (16-byte accesses; len % 8 == 0,
+// len ≤ 8·blockDim, every row 16-byte aligned).
+template <typename T>
+__device__ void gated_rms_norm_vec(const T* __restrict__ x, const T* __restrict__ z,
+                                   const T* __restrict__ w, T* __restrict__ y, int D, int group,
+                                   long z_stride, float eps) {
+  __shared__ float red[32];
+  const long row = blockIdx.x;
+  const int g0 = blockIdx.y * group, i = threadIdx.x * 8;
+  const bool live = i < group;
+  float g[8], wv[8], ss = 0.f;
+  if (live) {
+    float xv[8], zv[8];
+    m2::Vec8<T>::unpack(m2::Vec8<T>::load(x + row * D + g0 + i, false), xv);
+    m2::Vec8<T>::unpack(m2::Vec8<T>::load(z + row * z_stride + g0 + i, false), zv);
+    m2::Vec8<T>::unpack(m2::Vec8<T>::load(w + g0 + i, false), wv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      g[e] = xv[e] * m2::silu(zv[e]);
+      ss += g[e] * g[e];
+    }
+  }
+  const float scale = rsqrtf(block_sum(ss, red) / group + eps);
+  if (live) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) g[e] *= scale * wv[e];
+    m2::Vec8<T>::store(y + row * D + g0 + i, g);
+  }
+}
+
+template <typename T, typename R>
+__device__ void add_rms_norm_vec(const T* __restrict__ x, const R* __restrict__ res,
+                                 const T* __restrict__ w, T* __restrict__ y,
+                                 R* __restrict__ res_out, int D, float eps) {
+  __shared__ float red[32];
+  const long row = blockIdx.x;
+  const int i = threadIdx.x * 8;
+  const bool live = i < D;
+  float r[8], wv[8], ss = 0.f;
+  if (live) {
+    m2::Vec8<T>::unpack(m2::Vec8<T>::load(x + row * D + i, false), r);
+    m2::Vec8<T>::unpack(m2::Vec8<T>::load(w + i, false), wv);
+    if (res) {
+      float rv[8];
+      m2::Vec8<R>::unpack(m2::Vec8<R>::load(res + row * D + i, false), rv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) r[e] += rv[e];
+    }
+    m2::Vec8<R>::store(res_out + row * D + i, r);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss += r[e] * r[e];
   }
   const float scale = rsqrtf(block_sum(ss, red) / D + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    const float r = m2::to_f(xr[i]) + (rr ? m2::to_f(rr[i]) : 0.f);
-    y[row * D + i] = m2::from_f<T>(r * scale * m2::to_f(w[i]));
+  if (live) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r[e] *= scale * wv[e];
+    m2::Vec8<T>::store(y + row * D + i, r);
   }
 }
 
 }  // namespace
 
-#define NORMS(T, TN)                                                                           \
-  extern "C" __global__ void gated_rms_norm_##TN(const T* x, const T* z, const T* w, T* y,     \
-                                                 int D, int group, long z_stride, float eps) { \
-    gated_rms_norm<T>(x, z, w, y, D, group, z_stride, eps);                                   \
-  }                                                                                            \
-  extern "C" __global__ void add_rms_norm_##TN##_res_f32(const T* x, const float* res,         \
-                                                         const T* w, T* y, float* res_out,     \
-                                                         int D, float eps) {                   \
-    add_rms_norm<T, float>(x, res, w, y, res_out, D, eps);                                    \
-  }                                                                                            \
-  extern "C" __global__ void add_rms_norm_##TN##_res_same(const T* x, const T* res,            \
-                                                          const T* w, T* y, T* res_out, int D, \
-                                                          float eps) {                         \
-    add_rms_norm<T, T>(x, res, w, y, res_out, D, eps);                                        \
+#define NORMS_V(T, TN, V, VN)                                                                  \
+  extern "C" __global__ void gated_rms_norm_##TN##_##VN(const T* x, const T* z, const T* w, T* y, \
+                                                        int D, int group, long z_stride,          \
+                                                        float eps) {                              \
+    m2::wait_prior_grid();                                                                        \
+    gated_rms_norm<T, V>(x, z, w, y, D, group, z_stride, eps);                                    \
+  }                                                                                               \
+  extern "C" __global__ void add_rms_norm_##TN##_res_f32_##VN(                                    \
+      const T* x, const float* res, const T* w, T* y, float* res_out, int D, float eps) {         \
+    m2::wait_prior_grid();                                                                        \
+    add_rms_norm<T, float, V>(x, res, w, y, res_out, D, eps);                                     \
+  }                                                                                               \
+  extern "C" __global__ void add_rms_norm_##TN##_res_same_##VN(                                   \
+      const T* x, const T* res, const T* w, T* y, T* res_out, int D, float eps) {                 \
+    m2::wait_prior_grid();                                                                        \
+    add_rms_norm<T, T, V>(x, res, w, y, res_out, D, eps);                                         \
   }
+#define NORMS_VEC(T, TN)                                                                      \
+  extern "C" __global__ void gated_rms_norm_##TN##_vec(const T* x, const T* z, const T* w, T* y, \
+                                                       int D, int group, long z_stride,          \
+                                                       float eps) {                              \
+    m2::wait_prior_grid();                                                                       \
+    gated_rms_norm_vec<T>(x, z, w, y, D, group, z_stride, eps);                                  \
+  }                                                                                              \
+  extern "C" __global__ void add_rms_norm_##TN##_res_f32_vec(                                    \
+      const T* x, const float* res, const T* w, T* y, float* res_out, int D, float eps) {        \
+    m2::wait_prior_grid();                                                                       \
+    add_rms_norm_vec<T, float>(x, res, w, y, res_out, D, eps);                                   \
+  }                                                                                              \
+  extern "C" __global__ void add_rms_norm_##TN##_res_same_vec(                                   \
+      const T* x, const T* res, const T* w, T* y, T* res_out, int D, float eps) {                \
+    m2::wait_prior_grid();                                                                       \
+    add_rms_norm_vec<T, T>(x, res, w, y, res_out, D, eps);                                       \
+  }
+#define NORMS(T, TN) NORMS_V(T, TN, 8, reg) NORMS_V(T, TN, 0, loop) NORMS_VEC(T, TN)
 NORMS(float, f32)
 NORMS(__half, f16)
 NORMS(__nv_bfloat16, bf16)

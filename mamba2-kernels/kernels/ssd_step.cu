@@ -29,11 +29,9 @@ template <typename H2, float2 (*TO)(H2)> struct Vec4Half {
     return make_float4(a.x, a.y, b.x, b.y);
   }
 };
-__device__ __forceinline__ float2 bf2f(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-__device__ __forceinline__ float2 h2f(__half2 v) { return __half22float2(v); }
 template <> struct Vec4<__nv_bfloat16> {
   __device__ __forceinline__ static float4 load(const __nv_bfloat16* p) {
-    return Vec4Half<__nv_bfloat162, bf2f>::unpack(*reinterpret_cast<const uint2*>(p));
+    return Vec4Half<__nv_bfloat162, m2::bf2f>::unpack(*reinterpret_cast<const uint2*>(p));
   }
   __device__ __forceinline__ static void store(__nv_bfloat16* p, float4 v) {
     __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
@@ -45,7 +43,7 @@ template <> struct Vec4<__nv_bfloat16> {
 };
 template <> struct Vec4<__half> {
   __device__ __forceinline__ static float4 load(const __half* p) {
-    return Vec4Half<__half2, h2f>::unpack(*reinterpret_cast<const uint2*>(p));
+    return Vec4Half<__half2, m2::h2f>::unpack(*reinterpret_cast<const uint2*>(p));
   }
 };
 
@@ -155,13 +153,13 @@ __device__ void ssd_step_scalar(S* __restrict__ state, const T* __restrict__ x,
   S *state, const T *x, const T *dt, const float *a, const float *bias, const T *b, const T *c, \
       const float *dskip, const T *z, T *y, Dims d
 #define STEP(T, TN, S, SN)                                                                       \
-  extern "C" __global__ void ssd_step_##TN##_##SN##_vec1(STEP_ARGS(T, S)) {                     \
+  extern "C" __global__ void ssd_step_##TN##_##SN##_vec1(STEP_ARGS(T, S)) { m2::wait_prior_grid();                     \
     ssd_step_vec<T, S, 1>(state, x, dt, a, bias, b, c, dskip, z, y, d);                         \
   }                                                                                             \
-  extern "C" __global__ void ssd_step_##TN##_##SN##_vec2(STEP_ARGS(T, S)) {                     \
+  extern "C" __global__ void ssd_step_##TN##_##SN##_vec2(STEP_ARGS(T, S)) { m2::wait_prior_grid();                     \
     ssd_step_vec<T, S, 2>(state, x, dt, a, bias, b, c, dskip, z, y, d);                         \
   }                                                                                             \
-  extern "C" __global__ void ssd_step_##TN##_##SN##_scalar(STEP_ARGS(T, S)) {                   \
+  extern "C" __global__ void ssd_step_##TN##_##SN##_scalar(STEP_ARGS(T, S)) { m2::wait_prior_grid();                   \
     ssd_step_scalar<T, S>(state, x, dt, a, bias, b, c, dskip, z, y, d);                         \
   }
 #define STEP_ALL(T, TN) STEP(T, TN, float, f32) STEP(T, TN, __nv_bfloat16, bf16)

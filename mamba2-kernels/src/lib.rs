@@ -19,7 +19,8 @@
 //!
 //! The rest of the mixer and block has ops of its own: [`causal_conv1d`] / [`causal_conv1d_step`]
 //! (depthwise causal conv with its rolling state, fused SiLU), [`gated_rms_norm`] (the per-group
-//! `norm(y·silu(z))`) and [`add_rms_norm`] (residual add + RMSNorm).
+//! `norm(y·silu(z))`), [`add_rms_norm`] (residual add + RMSNorm) and [`matvec`] (a linear layer on
+//! a few rows: the projections of a decode step, at close to copy bandwidth on CUDA).
 
 mod add_rms_norm;
 mod causal_conv1d;
@@ -32,6 +33,7 @@ mod cuda;
 mod dt;
 mod fwd_pass_state;
 mod gated_rms_norm;
+mod matvec;
 pub mod reference;
 mod slot;
 mod ssd;
@@ -46,5 +48,6 @@ pub use compute_out::compute_out;
 pub use dt::DtOptions;
 pub use fwd_pass_state::fwd_pass_state;
 pub use gated_rms_norm::gated_rms_norm;
+pub use matvec::matvec;
 pub use ssd::{ssd, SsdOptions};
 pub use ssd_step::{ssd_step, StepOptions};

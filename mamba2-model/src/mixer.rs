@@ -20,8 +20,8 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{
-    causal_conv1d_split, causal_conv1d_step_split, gated_rms_norm, ssd, ssd_step, ConvOptions,
-    DtOptions, SsdOptions, StepOptions,
+    causal_conv1d_split, causal_conv1d_step_split, gated_rms_norm, matvec, ssd, ssd_step,
+    ConvOptions, DtOptions, SsdOptions, StepOptions,
 };
 
 use crate::cache::LayerState;
@@ -156,7 +156,7 @@ impl Mixer {
             self.headdim,
             self.ngroups * self.d_state,
         );
-        let zxbcdt = self.in_proj.forward(u)?;
+        let zxbcdt = decode_linear(&self.in_proj, u)?;
         let z = zxbcdt.narrow(1, 0, di)?;
         let xbc = zxbcdt.narrow(1, di, di + 2 * gn)?;
         let dt = zxbcdt.narrow(1, 2 * di + 2 * gn, h)?;
@@ -184,6 +184,16 @@ impl Mixer {
             self.group_size,
             self.eps,
         )?;
-        self.out_proj.forward(&y)
+        decode_linear(&self.out_proj, &y)
+    }
+}
+
+/// `linear` on the rows `x [R,K]` of a decode step: the few-row kernel on CUDA for R ≤ 8, where
+/// reading the weight is the whole cost; candle's matmul otherwise.
+pub(crate) fn decode_linear(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cuda() && x.dim(0)? <= 8 {
+        matvec(x, linear.weight(), linear.bias())
+    } else {
+        linear.forward(x)
     }
 }

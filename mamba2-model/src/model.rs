@@ -21,7 +21,7 @@ use mamba2_kernels::add_rms_norm;
 
 use crate::cache::Cache;
 use crate::checkpoint::Checkpoint;
-use crate::mixer::Mixer;
+use crate::mixer::{decode_linear, Mixer};
 use crate::Config;
 
 /// Prompt tokens per piece unless set otherwise.
@@ -212,7 +212,7 @@ impl Model {
             h = block.mixer.step(&normed, state)?;
         }
         let (h, _) = self.norm(&h, residual.as_ref(), &self.norm_f)?;
-        self.logits(&h)
+        decode_linear(&self.lm_head, &h)?.to_dtype(DType::F32)
     }
 
     fn norm(

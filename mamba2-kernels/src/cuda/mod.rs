@@ -10,23 +10,29 @@
 //! keeps memory the same way.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr::null_mut;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    self, CUdevice_attribute, CUfunction_attribute,
+};
 use candle_core::cuda_backend::cudarc::driver::{
     result, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, SyncOnDrop,
+    SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
 mod conv;
+mod matvec;
 mod norm;
 mod ssd;
 
 pub(crate) use conv::{causal_conv1d, causal_conv1d_step};
+pub(crate) use matvec::matvec;
 pub(crate) use norm::{add_rms_norm, gated_rms_norm};
 pub(crate) use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd_step};
 
@@ -45,13 +51,14 @@ const COMPUTE_OUT: Image = fatbin!("compute_out");
 const SSD_STEP: Image = fatbin!("ssd_step");
 const CAUSAL_CONV1D: Image = fatbin!("causal_conv1d");
 const RMS_NORM: Image = fatbin!("rms_norm");
+const MATVEC: Image = fatbin!("matvec");
 
 /// Loaded modules and functions, per CUDA context (a context is a device's primary context).
 #[derive(Default)]
 struct Cache {
     modules: HashMap<(usize, &'static str), Arc<CudaModule>>,
     functions: HashMap<(usize, String), CudaFunction>,
-    info: HashMap<usize, (usize, usize)>,
+    info: HashMap<usize, Info>,
     pools: std::collections::HashSet<usize>,
 }
 
@@ -106,7 +113,9 @@ fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<()> {
     // SAFETY: `pool` receives the device's default pool handle, which lives as long as the
     // device; the attribute value is a u64 as the driver API requires for this attribute.
     unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().w()?;
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .w()?;
         sys::cuMemPoolSetAttribute(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -123,27 +132,39 @@ fn device_max_smem(ctx: &Arc<CudaContext>) -> Result<usize> {
     Ok(ctx.attribute(attr).w()? as usize)
 }
 
-/// (multiprocessors, opt-in shared memory per block) of the stream's device, cached.
-fn info(stream: &Arc<CudaStream>) -> Result<(usize, usize)> {
+/// What the launchers need to know of a device.
+#[derive(Clone, Copy)]
+struct Info {
+    sms: usize,
+    max_smem: usize,
+    /// Programmatic dependent launch (sm_90+).
+    dependent_launch: bool,
+}
+
+/// The stream's device's [`Info`], cached.
+fn info(stream: &Arc<CudaStream>) -> Result<Info> {
     let ctx = stream.context();
     let key = ctx.cu_ctx() as usize;
     if let Some(&v) = lock()?.info.get(&key) {
         return Ok(v);
     }
-    let sms = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()? as usize;
-    let v = (sms, device_max_smem(ctx)?);
+    let attr = |a| Ok::<_, candle_core::Error>(ctx.attribute(a).w()? as usize);
+    let v = Info {
+        sms: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        max_smem: device_max_smem(ctx)?,
+        dependent_launch: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?
+            >= 9,
+    };
     lock()?.info.insert(key, v);
     Ok(v)
 }
 
 pub(crate) fn max_smem(stream: &Arc<CudaStream>) -> Result<usize> {
-    Ok(info(stream)?.1)
+    Ok(info(stream)?.max_smem)
 }
 
 pub(crate) fn sm_count(stream: &Arc<CudaStream>) -> Result<usize> {
-    Ok(info(stream)?.0)
+    Ok(info(stream)?.sms)
 }
 
 pub(crate) fn dtype_name(op: &str, dtype: DType) -> Result<&'static str> {
@@ -267,29 +288,57 @@ pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaSt
     Ok(s)
 }
 
+/// Launches `f` on `stream`. On sm_90+ with programmatic stream serialization: the kernel may be
+/// scheduled while the previous kernel on the stream drains, hiding the launch latency between
+/// the many small kernels of a decode step; every kernel of ours waits for its predecessor first
+/// thing (`m2::wait_prior_grid`), so results are as with a plain launch.
 pub(crate) fn launch(
     stream: &Arc<CudaStream>,
     f: &CudaFunction,
     cfg: LaunchConfig,
     args: &[&dyn Arg],
 ) -> Result<()> {
-    let mut b = stream.launch_builder(f);
-    for a in args {
-        a.push(&mut b);
-    }
-    // SAFETY: every kernel's parameter list matches the argument order its launcher builds, and
-    // every pointer addresses a live, contiguous buffer of the size the kernel indexes.
-    unsafe { b.launch(cfg) }.w()?;
+    let mut params: Vec<*mut c_void> = args.iter().map(|a| a.param()).collect();
+    // SAFETY: all-zero bytes are a valid value of this plain C union.
+    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: info(stream)?.dependent_launch as u32,
+    };
+    stream.context().bind_to_thread().w()?;
+    // SAFETY: every kernel's parameter list matches the argument order its launcher builds,
+    // `params` points at those arguments, which outlive the call, and every device pointer
+    // addresses a live, contiguous buffer of the size the kernel indexes.
+    unsafe {
+        sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), null_mut())
+            .result()
+            .w()?
+    };
     Ok(())
 }
 
-/// A kernel argument: pushed by value.
+/// A kernel argument, passed by value.
 pub(crate) trait Arg {
-    fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
+    /// The address of the value, as `cuLaunchKernel` takes kernel parameters.
+    fn param(&self) -> *mut c_void;
 }
 impl<T: DeviceRepr> Arg for T {
-    fn push<'a>(&'a self, b: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
-        b.arg(self);
+    fn param(&self) -> *mut c_void {
+        (self as *const T).cast_mut().cast()
     }
 }
 
