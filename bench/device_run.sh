@@ -21,10 +21,10 @@ cat "$OUT/kernels.log"
 if [[ -x .gpu/bench_model ]]; then
   {
     echo "== bench_model: prefill (all models), then decode one model per process"
-    timeout 150 .gpu/bench_model --decode "" --peer 130m:1x2048,130m:4x2048 2>&1
+    timeout 200 .gpu/bench_model --decode "" --peer 130m:1x2048,780m:1x2048 2>&1
     echo "bench_model prefill rc=$?"
     for m in 130m 780m 2.7b; do
-      timeout 40 .gpu/bench_model --models $m --prefill "" --peer 130m:d1,130m:d16,2.7b:d1 2>&1
+      timeout 90 .gpu/bench_model --models $m --prefill "" --peer 130m:d1,130m:d16,2.7b:d1 2>&1
       echo "bench_model decode $m rc=$?"
     done
     echo "== generate --device cuda (a fixture model in the HF layout, byte-level prompt)"

@@ -4,7 +4,8 @@
 //! `cargo run --release --example bench_ssd` (CPU, the shape: B=1, L=4096, H=24, P=64,
 //! N=128, chunk 128, f32). With `--features cuda`, `bench_ssd --cuda` times the CUDA kernels on
 //! the seed shapes with CUDA events (median of `--gpu-reps` runs after warm-up, three input sets
-//! in rotation) and one host call per run, plus the decode step.
+//! in rotation), replayed from a CUDA graph of 20 calls (GPU time per call without launch gaps)
+//! and one host call per run, plus the decode step.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -261,7 +262,9 @@ mod gpu {
     use std::time::Instant;
 
     use anyhow::Result;
-    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+    };
     use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
     use candle_core::{DType, Device, Tensor};
     use mamba2::kernels::{self as k, DtOptions, SsdOptions, StepOptions};
@@ -327,6 +330,38 @@ mod gpu {
                 times.push(a.elapsed_ms(b)? as f64 * 1e3);
             }
             left -= n;
+        }
+        Ok(median(times))
+    }
+
+    /// Calls per captured graph in [`graph_us`].
+    const GRAPH_CALLS: usize = 20;
+
+    /// GPU time (µs) per call of `f` replayed from a CUDA graph of [`GRAPH_CALLS`] calls (median
+    /// of 20 event-timed replays): the kernels back to back without any host launch cost, as the
+    /// peers' "gpu" figures were measured.
+    fn graph_us(dev: &Device, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+        let cuda = dev.as_cuda_device()?;
+        let s = cuda.cuda_stream();
+        let _htod = cuda.enable_cuda_graph_htod_cache();
+        for i in 0..3 {
+            f(i)?;
+        }
+        s.synchronize()?;
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let captured = (0..GRAPH_CALLS).try_for_each(&mut f);
+        let graph = s.end_capture(CUgraphInstantiate_flags(0))?;
+        captured?;
+        let graph = graph.ok_or_else(|| anyhow::anyhow!("empty graph"))?;
+        graph.launch()?;
+        s.synchronize()?;
+        let mut times = Vec::new();
+        for _ in 0..20 {
+            let a = event(&s)?;
+            graph.launch()?;
+            let b = event(&s)?;
+            s.synchronize()?;
+            times.push(a.elapsed_ms(&b)? as f64 * 1e3 / GRAPH_CALLS as f64);
         }
         Ok(median(times))
     }
@@ -403,9 +438,9 @@ mod gpu {
             },
         ];
         let (p, g, chunk) = (64, 1, 128);
-        println!("bench_ssd cuda: P=64 G=1 chunk=128 bf16 values, bf16 chunk states; GPU µs = median of {} event-timed runs; call µs = one host call, synchronised", args.gpu_reps);
-        println!("| shape | chunk_cumsum | fwd_pass_state | compute_out | stages sum | ssd GPU | ssd call | state GB/s | out GB/s |");
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!("bench_ssd cuda: P=64 G=1 chunk=128 bf16 values, bf16 chunk states; GPU µs = median of {} event-timed runs; graph = per call in a replayed graph of {GRAPH_CALLS} calls; call µs = one host call, synchronised", args.gpu_reps);
+        println!("| shape | chunk_cumsum | fwd_pass_state | compute_out | stages sum | ssd GPU | ssd graph | ssd call | state GB/s | out GB/s |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         for sh in &shapes {
             let (bsz, l, h, n) = (sh.batch, sh.seqlen, sh.nheads, sh.dstate);
             let sets: Vec<Set> = (0..3)
@@ -490,6 +525,7 @@ mod gpu {
                 }
             };
             let t_ssd = gpu_us(&dev, reps, &ballast, run)?;
+            let t_graph = graph_us(&dev, run)?;
             let t_call = host_us(&dev, reps, run)?;
             // Bytes: stage 2 reads x, b and writes the chunk states; stage 3 reads x, b, c, the
             // states and writes y (bf16 = 2 bytes).
@@ -500,15 +536,15 @@ mod gpu {
             let bw2 = (xb + bb + sb) / (t2 * 1e3);
             let bw3 = (2.0 * xb + 2.0 * bb + sb) / (t3 * 1e3);
             println!(
-                "| {} (B={bsz} H={h} N={n} L={l}) | {t1:.1} | {t2:.1} | {t3:.1} | {:.1} | {t_ssd:.1} | {t_call:.1} | {bw2:.0} | {bw3:.0} |",
+                "| {} (B={bsz} H={h} N={n} L={l}) | {t1:.1} | {t2:.1} | {t3:.1} | {:.1} | {t_ssd:.1} | {t_graph:.1} | {t_call:.1} | {bw2:.0} | {bw3:.0} |",
                 sh.name,
                 t1 + t2 + t3
             );
         }
 
         println!();
-        println!("| decode step (H=80 P=64 N=128, bf16 values) | state | GPU µs | call µs | GB/s (state read+write) |");
-        println!("|---|---|---|---|---|");
+        println!("| decode step (H=80 P=64 N=128, bf16 values) | state | GPU µs | graph µs | call µs | GB/s (state read+write, graph) |");
+        println!("|---|---|---|---|---|---|");
         let h = 80;
         for batch in [1, 16, 64] {
             for state_dtype in [DType::F32, DType::BF16] {
@@ -538,11 +574,12 @@ mod gpu {
                     }
                 };
                 let t = gpu_us(&dev, args.gpu_reps, &ballast, step)?;
+                let tg = graph_us(&dev, step)?;
                 let tc = host_us(&dev, args.gpu_reps, step)?;
                 let bytes = 2.0 * (batch * h * p * 128 * state_dtype.size_in_bytes()) as f64;
                 println!(
-                    "| B={batch} | {state_dtype:?} | {t:.2} | {tc:.1} | {:.0} |",
-                    bytes / (t * 1e3)
+                    "| B={batch} | {state_dtype:?} | {t:.2} | {tg:.2} | {tc:.1} | {:.0} |",
+                    bytes / (tg * 1e3)
                 );
             }
         }
