@@ -331,15 +331,26 @@ pub(crate) fn compute_out(
     // Programs resident per SM: the opt-in limit plus the 1 KiB reserved per program is the
     // SM's shared memory; at most 2048 threads.
     let resident = |smem: usize| ((limit + 1024) / (smem + 1024)).min(2048 / chunk);
-    // The P-tile that fits and keeps the most warps resident per SM; the larger on a tie.
+    // The P-tile that fits and keeps the most warps resident per SM, the larger on a tie; the
+    // larger outright for N ≤ 64 or when (batch, chunk, head) units are few (< 4 per SM), where
+    // halving the C·hᵀ and C·Bᵀ passes per head beats occupancy (H200: N=64 L=16384 125 vs 149
+    // µs, B=1 H=24 L=2048 29 vs 32; at B=1 H=80 L=2048 and N=128 the smaller tile wins, 64 vs 74).
+    let sms = sm_count(&stream)?;
+    let wide = d.dstate <= 64 || nchunks * d.batch * d.nheads < 4 * sms;
     let best = [64, 32]
         .into_iter()
         .filter(|pt| d.headdim % pt == 0)
         .map(|pt| (pt, mma_smem(chunk, d.dstate, pt)))
         .filter(|&(_, smem)| smem <= limit)
-        .max_by_key(|&(pt, smem)| (resident(smem), pt));
+        .max_by_key(|&(pt, smem)| {
+            if wide {
+                (pt, resident(smem))
+            } else {
+                (resident(smem), pt)
+            }
+        });
     if let (true, Some((ptile, smem))) = (mma, best) {
-        let slots = sm_count(&stream)? * resident(smem);
+        let slots = sms * resident(smem);
         let hb = heads_per_block(nchunks * d.batch * d.nheads, d.heads_per_group(), slots);
         kd.heads_per_block = i(hb)?;
         let f = function(
