@@ -98,12 +98,14 @@ __device__ void conv_step(T* __restrict__ st, const T* __restrict__ x, const T* 
 #define CONV(T, TN)                                                                              \
   extern "C" __global__ void causal_conv1d_##TN(const T* x, const T* w, const T* bias,            \
                                                 const T* st_in, Out y, T* st_out, int B, int L,   \
-                                                int D, int K, long x_stride, int silu) { m2::wait_prior_grid();          \
+                                                int D, int K, long x_stride, int silu) {        \
+    m2::wait_prior_grid();                                                                      \
     conv_prefill<T>(x, w, bias, st_in, y, st_out, B, L, D, K, x_stride, silu);                  \
   }                                                                                              \
   extern "C" __global__ void causal_conv1d_step_##TN(T* st, const T* x, const T* w,              \
                                                      const T* bias, Out y, int B, int D, int K,   \
-                                                     long x_stride, int silu) { m2::wait_prior_grid();                   \
+                                                     long x_stride, int silu) {                  \
+    m2::wait_prior_grid();                                                                       \
     conv_step<T>(st, x, w, bias, y, B, D, K, x_stride, silu);                                    \
   }
 CONV(float, f32)

@@ -46,7 +46,8 @@ __device__ void chunk_cumsum(const T* __restrict__ dt, const float* __restrict__
 #define CHUNK_CUMSUM(NAME, T)                                                               \
   extern "C" __global__ void NAME(const T* dt, const float* a, const float* bias, float* out,  \
                                   int batch, int seqlen, int nheads, int chunk, int softplus,   \
-                                  float lo, float hi, long dt_stride) { m2::wait_prior_grid();                         \
+                                  float lo, float hi, long dt_stride) {                         \
+    m2::wait_prior_grid();                                                                      \
     chunk_cumsum<T>(dt, a, bias, out, batch, seqlen, nheads, chunk, softplus, lo, hi,           \
                     dt_stride);                                                                  \
   }

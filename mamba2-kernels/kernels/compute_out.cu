@@ -375,7 +375,8 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
 
 #define CO_MMA(T, TN, S, SN, PT)                                                       \
   extern "C" __global__ void __launch_bounds__(256)                                    \
-      compute_out_mma_##TN##_##SN##_p##PT(CO_ARGS(T, S)) { m2::wait_prior_grid();                             \
+      compute_out_mma_##TN##_##SN##_p##PT(CO_ARGS(T, S)) {                            \
+    m2::wait_prior_grid();                                                            \
     compute_out_mma<T, S, PT>(x, b, c, dt, da, states, dskip, z, y, d);               \
   }
 #define CO_MMA_PT(T, TN, S, SN) CO_MMA(T, TN, S, SN, 32) CO_MMA(T, TN, S, SN, 64)
@@ -385,7 +386,8 @@ CO_MMA_PT(__half, f16, float, f32)
 CO_MMA_PT(__half, f16, __nv_bfloat16, bf16)
 
 #define CO_SIMT(T, TN, S, SN)                                                     \
-  extern "C" __global__ void compute_out_simt_##TN##_##SN(CO_ARGS(T, S)) { m2::wait_prior_grid();        \
+  extern "C" __global__ void compute_out_simt_##TN##_##SN(CO_ARGS(T, S)) {        \
+    m2::wait_prior_grid();                                                        \
     compute_out_simt<T, S>(x, b, c, dt, da, states, dskip, z, y, d);              \
   }
 CO_SIMT(float, f32, float, f32)

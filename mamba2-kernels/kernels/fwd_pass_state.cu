@@ -416,7 +416,8 @@ __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ i
 
 #define FPS_MMA(T, TN, S, SN, PT, NT)                                                      \
   extern "C" __global__ void __launch_bounds__(32 * WARPS)                                  \
-      fwd_pass_state_mma_##TN##_##SN##_p##PT##_n##NT(FPS_ARGS(T, S), int stages) { m2::wait_prior_grid();         \
+      fwd_pass_state_mma_##TN##_##SN##_p##PT##_n##NT(FPS_ARGS(T, S), int stages) {        \
+    m2::wait_prior_grid();                                                                \
     fwd_pass_state_mma<T, S, PT, NT>(x, b, dt, da, init, states, d, stages);              \
   }
 #define FPS_MMA_TILES(T, TN, S, SN)                                               \
@@ -428,7 +429,8 @@ FPS_MMA_TILES(__half, f16, float, f32)
 FPS_MMA_TILES(__half, f16, __nv_bfloat16, bf16)
 
 #define FPS_SIMT(T, TN, S, SN)                                                   \
-  extern "C" __global__ void fwd_pass_state_simt_##TN##_##SN(FPS_ARGS(T, S)) { m2::wait_prior_grid();   \
+  extern "C" __global__ void fwd_pass_state_simt_##TN##_##SN(FPS_ARGS(T, S)) {   \
+    m2::wait_prior_grid();                                                       \
     fwd_pass_state_simt<T, S>(x, b, dt, da, init, states, d);                    \
   }
 FPS_SIMT(float, f32, float, f32)
@@ -441,7 +443,8 @@ FPS_SIMT(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 #define CHUNK_STATE(T, TN, S, SN, W, NT)                                                     \
   extern "C" __global__ void __launch_bounds__(32 * W)                                       \
       chunk_state_mma_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, const float* dt,     \
-                                                 const float* da, S* states, Dims d) { m2::wait_prior_grid();        \
+                                                 const float* da, S* states, Dims d) {       \
+    m2::wait_prior_grid();                                                                   \
     chunk_state_mma<T, S, W, NT>(x, b, dt, da, states, d);                                   \
   }
 #define CHUNK_STATE_NT(T, TN, S, SN, W)                                  \
@@ -455,7 +458,8 @@ CHUNK_STATE_ALL(__half, f16, __nv_bfloat16, bf16)
 
 #define SCAN(S, SN)                                                                          \
   extern "C" __global__ void state_scan_##SN(const float* da, const S* init, S* states,      \
-                                             Dims d) { m2::wait_prior_grid();                                       \
+                                             Dims d) {                                       \
+    m2::wait_prior_grid();                                                                   \
     state_scan<S>(da, init, states, d);                                                      \
   }
 SCAN(float, f32)

@@ -153,13 +153,16 @@ __device__ void ssd_step_scalar(S* __restrict__ state, const T* __restrict__ x,
   S *state, const T *x, const T *dt, const float *a, const float *bias, const T *b, const T *c, \
       const float *dskip, const T *z, T *y, Dims d
 #define STEP(T, TN, S, SN)                                                                       \
-  extern "C" __global__ void ssd_step_##TN##_##SN##_vec1(STEP_ARGS(T, S)) { m2::wait_prior_grid();                     \
+  extern "C" __global__ void ssd_step_##TN##_##SN##_vec1(STEP_ARGS(T, S)) {                     \
+    m2::wait_prior_grid();                                                                      \
     ssd_step_vec<T, S, 1>(state, x, dt, a, bias, b, c, dskip, z, y, d);                         \
   }                                                                                             \
-  extern "C" __global__ void ssd_step_##TN##_##SN##_vec2(STEP_ARGS(T, S)) { m2::wait_prior_grid();                     \
+  extern "C" __global__ void ssd_step_##TN##_##SN##_vec2(STEP_ARGS(T, S)) {                     \
+    m2::wait_prior_grid();                                                                      \
     ssd_step_vec<T, S, 2>(state, x, dt, a, bias, b, c, dskip, z, y, d);                         \
   }                                                                                             \
-  extern "C" __global__ void ssd_step_##TN##_##SN##_scalar(STEP_ARGS(T, S)) { m2::wait_prior_grid();                   \
+  extern "C" __global__ void ssd_step_##TN##_##SN##_scalar(STEP_ARGS(T, S)) {                   \
+    m2::wait_prior_grid();                                                                      \
     ssd_step_scalar<T, S>(state, x, dt, a, bias, b, c, dskip, z, y, d);                         \
   }
 #define STEP_ALL(T, TN) STEP(T, TN, float, f32) STEP(T, TN, __nv_bfloat16, bf16)
