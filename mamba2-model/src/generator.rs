@@ -202,8 +202,6 @@ impl<'a> Generator<'a> {
     }
 }
 
-/// Passes text on, cutting it before the first stop string and holding back any tail that may
-/// still grow into one.
 /// Decode steps one kernel at a time, or replayed from a captured CUDA graph.
 enum Decoder<'m> {
     Eager {
@@ -237,6 +235,8 @@ impl<'m> Decoder<'m> {
     }
 }
 
+/// Passes text on, cutting it before the first stop string and holding back any tail that may
+/// still grow into one.
 struct StopFilter<'s> {
     stops: &'s [String],
     text: String,

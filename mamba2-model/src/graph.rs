@@ -33,7 +33,8 @@ pub struct DecodeGraph<'m> {
 
 impl<'m> DecodeGraph<'m> {
     /// Captures `model`'s decode step over `cache` (which the graph then owns). The model must be
-    /// on a CUDA device; the cache's contents are not changed.
+    /// on a CUDA device; the cache's contents are not changed. The warm-up step runs on a copy of
+    /// the cache, so capturing briefly needs the memory of a second cache.
     pub fn new(model: &'m Model, mut cache: Cache) -> Result<Self> {
         let dev = match model.device() {
             Device::Cuda(d) => d.clone(),

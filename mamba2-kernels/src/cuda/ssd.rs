@@ -1,7 +1,7 @@
 //! Launchers of the SSD ops. Dispatch: bf16/f16 values on the tensor-core kernels when
-//! P % 32 == 0 and N % 16 == 0 (fwd_pass_state: a state tile of 64×16, 32×32 or larger divides
-//! [P, N]) and the chunk fits the MMA tiling; everything else — f32, odd sizes — on the SIMT
-//! kernels.
+//! P % 32 == 0 and N % 16 == 0 and the chunk fits the MMA tiling (fwd_pass_state has two: the
+//! chunk walk where `walk_wins` or the chunk-parallel pair cannot run, the pair otherwise);
+//! everything else — f32, odd sizes — on the SIMT kernels.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
