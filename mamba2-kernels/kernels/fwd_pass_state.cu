@@ -253,8 +253,9 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
 
 // One chunk's own contribution to the state, local_c = Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ,
 // written to slot c + 1 of `states` (state_scan turns the slots into entry states in place).
-// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async, b is
-// scaled in shared memory, and xᵀ·b' is an m16n8k16 chain with ldmatrix.trans for both operands.
+// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async, xᵀ·b is
+// an m16n8k16 chain with ldmatrix.trans for both operands and w_s = exp2(d_last − d_s)·dt_s
+// applied to x's fragments in registers; the tile leaves through shared memory as 16-byte rows.
 template <typename T, typename S, int WARPS, int NT>
 __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const float* __restrict__ dt, const float* __restrict__ da,
@@ -264,8 +265,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   const int chunk = D.chunk;
   T* xs = reinterpret_cast<T*>(smem_raw);                   // [chunk][XR]
   T* bs = xs + chunk * XR;                                  // [chunk][BR]
-  float* ds = reinterpret_cast<float*>(bs + chunk * BR);    // [chunk]
-  float* ws = ds + chunk;                                   // [chunk]
+  T* ws = bs + chunk * BR;                                  // [chunk]
 
   const int bhc = blockIdx.x, n0 = blockIdx.y * NT, p0 = blockIdx.z * PT;
   const int c = bhc % D.nchunks, bh = bhc / D.nchunks;
@@ -294,16 +294,8 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   m2::cp_async_commit();
   const float d_last = da[row + l0 + len - 1];
   for (int i = tid; i < chunk; i += THREADS)
-    ws[i] = i < len ? m2::exp2_fast(d_last - da[row + l0 + i]) * dt[row + l0 + i] : 0.f;
+    ws[i] = m2::from_f<T>(i < len ? m2::exp2_fast(d_last - da[row + l0 + i]) * dt[row + l0 + i] : 0.f);
   m2::cp_async_wait<0>();
-  __syncthreads();
-  for (int i = tid; i < chunk * (NT / 2); i += THREADS) {
-    const int r = i / (NT / 2), q = (i % (NT / 2)) * 2;
-    T* pv = bs + r * BR + q;
-    const float w = ws[r];
-    pv[0] = m2::from_f<T>(m2::to_f(pv[0]) * w);
-    pv[1] = m2::from_f<T>(m2::to_f(pv[1]) * w);
-  }
   __syncthreads();
 
   float acc[NT / 8][4];
@@ -311,9 +303,18 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   for (int j = 0; j < NT / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-  for (int k0 = 0; k0 < chunk; k0 += 16) {
+  const int tc = (lane % 4) * 2;
+  for (int k0 = 0; k0 < len; k0 += 16) {
+    // x's fragment holds tokens k0 + tc + {0, 1} (registers 0, 1) and k0 + tc + 8 + {0, 1}
+    // (registers 2, 3): w scales them there, in registers.
     uint32_t a[4];
     m2::ldsm_x4_t(a, xs + (k0 + (lane % 8) + (lane / 16) * 8) * XR + warp * 16 + ((lane / 8) % 2) * 8);
+    const uint32_t w0 = *reinterpret_cast<const uint32_t*>(ws + k0 + tc);
+    const uint32_t w8 = *reinterpret_cast<const uint32_t*>(ws + k0 + tc + 8);
+    a[0] = mul2<T>(a[0], w0);
+    a[1] = mul2<T>(a[1], w0);
+    a[2] = mul2<T>(a[2], w8);
+    a[3] = mul2<T>(a[3], w8);
 #pragma unroll
     for (int j = 0; j < NT / 8; j += 2) {
       uint32_t bf[4];
@@ -322,13 +323,25 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
       m2::Mma<T>::run(acc[j + 1], a, bf[2], bf[3]);
     }
   }
-  const int prow = p0 + warp * 16 + lane / 4, tc = (lane % 4) * 2;
-  S* out = states + (static_cast<size_t>(bh) * (D.nchunks + 1) + c + 1) * pn;
+  // The warp's 16 × NT block through shared memory (the x and b tiles' space, free once every warp
+  // is done with them), then out as 16-byte vectors: whole 32-byte sectors of every row.
+  __syncthreads();
+  constexpr int SR = NT + PAD, V = 16 / sizeof(S);
+  S* hs = reinterpret_cast<S*>(smem_raw) + warp * 16 * SR;
+  const int gr = lane / 4;
 #pragma unroll
   for (int j = 0; j < NT / 8; ++j) {
-    const int n = n0 + j * 8 + tc;
-    store2<S>(out + static_cast<size_t>(prow) * D.dstate + n, acc[j][0], acc[j][1]);
-    store2<S>(out + static_cast<size_t>(prow + 8) * D.dstate + n, acc[j][2], acc[j][3]);
+    store2<S>(hs + gr * SR + j * 8 + tc, acc[j][0], acc[j][1]);
+    store2<S>(hs + (gr + 8) * SR + j * 8 + tc, acc[j][2], acc[j][3]);
+  }
+  __syncwarp();
+  S* out = states + (static_cast<size_t>(bh) * (D.nchunks + 1) + c + 1) * pn +
+           static_cast<size_t>(p0 + warp * 16) * D.dstate + n0;
+#pragma unroll
+  for (int v = lane; v < 16 * (NT / V); v += 32) {
+    const int r = v / (NT / V), q = v % (NT / V) * V;
+    *reinterpret_cast<uint4*>(out + static_cast<size_t>(r) * D.dstate + q) =
+        *reinterpret_cast<const uint4*>(hs + r * SR + q);
   }
 }
 

@@ -140,7 +140,7 @@ pub(crate) fn fwd_pass_state(
     if matches!(x_s.dtype(), DType::BF16 | DType::F16) && chunk % 16 == 0 {
         let (sms, max) = (sm_count(&stream)?, max_smem(&stream)?);
         let tile = state_tile(&d, chunk, op.state_dtype.size_in_bytes(), sms, max);
-        let pair = chunk_state_tile(&d, chunk, init_p, max);
+        let pair = chunk_state_tile(&d, chunk, op.state_dtype.size_in_bytes(), init_p, max);
         let walk = tile.filter(|_| pair.is_none() || walk_wins(&d, nchunks, sms));
         if let Some(tile) = walk {
             let (pt, nt) = (tile.pt, tile.nt);
@@ -220,6 +220,7 @@ fn walk_wins(d: &SsdDims, nchunks: usize, sms: usize) -> bool {
 fn chunk_state_tile(
     d: &SsdDims,
     chunk: usize,
+    state_bytes: usize,
     init_p: u64,
     max_smem: usize,
 ) -> Option<(usize, usize, usize)> {
@@ -230,7 +231,10 @@ fn chunk_state_tile(
     let nt = [128, 64, 32, 16]
         .into_iter()
         .find(|nt| d.dstate % nt == 0)?;
-    let smem = chunk * (16 * warps + 8) * 2 + chunk * (nt + 8) * 2 + 2 * chunk * 4;
+    // x and b tiles and w (2-byte values), or the warps' output staging if larger.
+    let tiles = chunk * (16 * warps + 8) * 2 + chunk * (nt + 8) * 2 + chunk * 2;
+    let staging = warps * 16 * (nt + 8) * state_bytes;
+    let smem = tiles.max(staging);
     (smem <= max_smem).then_some((warps, nt, smem))
 }
 
