@@ -102,19 +102,33 @@ impl Mixer {
         }
     }
 
-    /// Runs `u [B,L,d_model]` from `state` and leaves the state after the last token there.
-    pub fn forward(&self, u: &Tensor, state: &mut LayerState) -> Result<Tensor> {
-        let (b, l, _) = u.dims3()?;
-        let (di, h, p, gn) = (
+    /// (d_inner, nheads, headdim, ngroups·d_state).
+    fn sizes(&self) -> (usize, usize, usize, usize) {
+        (
             self.d_inner,
             self.nheads,
             self.headdim,
             self.ngroups * self.d_state,
-        );
-        let zxbcdt = self.in_proj.forward(u)?;
-        let z = zxbcdt.narrow(2, 0, di)?;
-        let xbc = zxbcdt.narrow(2, di, di + 2 * gn)?;
-        let dt = zxbcdt.narrow(2, 2 * di + 2 * gn, h)?;
+        )
+    }
+
+    /// in_proj's output `[.., 2·d_inner + 2·G·N + H]` cut along its last dim into
+    /// `(z, xBC, dt)` (views, no copies).
+    fn split(&self, zxbcdt: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (di, h, _, gn) = self.sizes();
+        let last = zxbcdt.rank() - 1;
+        Ok((
+            zxbcdt.narrow(last, 0, di)?,
+            zxbcdt.narrow(last, di, di + 2 * gn)?,
+            zxbcdt.narrow(last, 2 * di + 2 * gn, h)?,
+        ))
+    }
+
+    /// Runs `u [B,L,d_model]` from `state` and leaves the state after the last token there.
+    pub fn forward(&self, u: &Tensor, state: &mut LayerState) -> Result<Tensor> {
+        let (b, l, _) = u.dims3()?;
+        let (di, h, p, gn) = self.sizes();
+        let (z, xbc, dt) = self.split(&self.in_proj.forward(u)?)?;
         let (xbc, conv) = causal_conv1d_split(
             &xbc,
             &self.conv_weight,
@@ -150,16 +164,8 @@ impl Mixer {
     /// Runs one token `u [B,d_model]`, updating `state` in place.
     pub fn step(&self, u: &Tensor, state: &mut LayerState) -> Result<Tensor> {
         let (b, _) = u.dims2()?;
-        let (di, h, p, gn) = (
-            self.d_inner,
-            self.nheads,
-            self.headdim,
-            self.ngroups * self.d_state,
-        );
-        let zxbcdt = decode_linear(&self.in_proj, u)?;
-        let z = zxbcdt.narrow(1, 0, di)?;
-        let xbc = zxbcdt.narrow(1, di, di + 2 * gn)?;
-        let dt = zxbcdt.narrow(1, 2 * di + 2 * gn, h)?;
+        let (di, h, p, gn) = self.sizes();
+        let (z, xbc, dt) = self.split(&decode_linear(&self.in_proj, u)?)?;
         let xbc = causal_conv1d_step_split(
             &state.conv,
             &xbc,
