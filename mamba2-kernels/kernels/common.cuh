@@ -92,6 +92,18 @@ __device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], const void* p) {
                : "=r"(r[0]), "=r"(r[1]) : "r"(s));
 }
 
+// Two f32 values stored as a pair of T (one 8-, 4- or 4-byte store).
+template <typename T> __device__ __forceinline__ void store2(T* p, float a, float b);
+template <> __device__ __forceinline__ void store2<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <> __device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <> __device__ __forceinline__ void store2<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+
 template <typename T> struct Mma;
 template <> struct Mma<__nv_bfloat16> {
   __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4],

@@ -65,17 +65,6 @@ __device__ __forceinline__ void load_state_tile(T* dst, const S* src, int rows, 
 }
 
 template <typename T>
-__device__ __forceinline__ void store_pair(T* p, float a, float b);
-template <>
-__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-template <>
-__device__ __forceinline__ void store_pair<__half>(__half* p, float a, float b) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
-}
-
-template <typename T>
 __device__ __forceinline__ float2 load_pair(const T* p);
 template <>
 __device__ __forceinline__ float2 load_pair<__nv_bfloat16>(const __nv_bfloat16* p) {
@@ -308,7 +297,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
             v0 *= m2::silu(zv.x);
             v1 *= m2::silu(zv.y);
           }
-          store_pair<T>(y + o, v0, v1);
+          m2::store2<T>(y + o, v0, v1);
         }
       }
     }

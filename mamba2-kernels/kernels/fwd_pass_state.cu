@@ -24,26 +24,8 @@ struct Dims {
   int batch, seqlen, nheads, headdim, ngroups, dstate, chunk, nchunks;
 };
 
-template <typename S>
-__device__ __forceinline__ void store2(S* p, float a, float b);
-template <>
-__device__ __forceinline__ void store2<float>(float* p, float a, float b) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
-}
-template <>
-__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-
 constexpr int PAD = 8;    // elements of padding per shared row: conflict-free ldmatrix and staging
 constexpr int WARPS = 4;  // per fwd_pass_state_mma program
-
-// A 4-byte cp.async (dt and d rows need not be 16-byte aligned), zero-filled when !valid.
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  int n = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
 
 // Wait until at most `n` (0, 1 or 2) cp.async groups are pending.
 __device__ __forceinline__ void cp_async_wait_pending(int n) {
@@ -123,8 +105,8 @@ __device__ void fwd_pass_state_mma(const T* __restrict__ x, const T* __restrict_
       }
       for (int i = tid; i < chunk; i += THREADS) {
         const bool ok = i < len;
-        cp_async4(ds + buf * chunk + i, dah + l0 + (ok ? i : 0), ok);
-        cp_async4(dts + buf * chunk + i, dth + l0 + (ok ? i : 0), ok);
+        m2::cp_async4(ds + buf * chunk + i, dah + l0 + (ok ? i : 0), ok);
+        m2::cp_async4(dts + buf * chunk + i, dth + l0 + (ok ? i : 0), ok);
       }
     }
     m2::cp_async_commit();
@@ -150,8 +132,8 @@ __device__ void fwd_pass_state_mma(const T* __restrict__ x, const T* __restrict_
     for (int i = 0; i < MI; ++i) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        store2<S>(hsw + gr * SR + j * 8 + tc, acc[i][j][0], acc[i][j][1]);
-        store2<S>(hsw + (gr + 8) * SR + j * 8 + tc, acc[i][j][2], acc[i][j][3]);
+        m2::store2<S>(hsw + gr * SR + j * 8 + tc, acc[i][j][0], acc[i][j][1]);
+        m2::store2<S>(hsw + (gr + 8) * SR + j * 8 + tc, acc[i][j][2], acc[i][j][3]);
       }
       __syncwarp();
 #pragma unroll
@@ -331,8 +313,8 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   const int gr = lane / 4;
 #pragma unroll
   for (int j = 0; j < NT / 8; ++j) {
-    store2<S>(hs + gr * SR + j * 8 + tc, acc[j][0], acc[j][1]);
-    store2<S>(hs + (gr + 8) * SR + j * 8 + tc, acc[j][2], acc[j][3]);
+    m2::store2<S>(hs + gr * SR + j * 8 + tc, acc[j][0], acc[j][1]);
+    m2::store2<S>(hs + (gr + 8) * SR + j * 8 + tc, acc[j][2], acc[j][3]);
   }
   __syncwarp();
   S* out = states + (static_cast<size_t>(bh) * (D.nchunks + 1) + c + 1) * pn +
