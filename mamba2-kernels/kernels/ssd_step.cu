@@ -47,6 +47,19 @@ template <> struct Vec4<__half> {
   }
 };
 
+// y[b, h, p] from row p's warp sum h·C: + D·x, · silu(z), stored by lane 0.
+template <typename T>
+__device__ __forceinline__ void finish_row(float acc, float xv, int b, int h, int bh, int p, int lane,
+                                           const float* __restrict__ dskip,
+                                           const T* __restrict__ z, T* __restrict__ y,
+                                           const Dims& D) {
+  const int P = D.headdim;
+  if (lane != 0) return;
+  if (dskip) acc += (D.d_per_channel ? dskip[h * P + p] : dskip[h]) * xv;
+  if (z) acc *= m2::silu(m2::to_f(z[b * D.z_stride + static_cast<size_t>(h) * P + p]));
+  y[static_cast<size_t>(bh) * P + p] = m2::from_f<T>(acc);
+}
+
 // The vectorised path keeps a lane's KV groups of 4 columns (N ≤ 128·KV) in registers: every
 // load of a row (state, B, C, x, dt) is issued before the first one is used, so a program's
 // latency is one memory round trip, not a chain of them.
@@ -100,12 +113,7 @@ __device__ void ssd_step_vec(S* __restrict__ state, const T* __restrict__ x,
         acc += s.x * cv[k].x + s.y * cv[k].y + s.z * cv[k].z + s.w * cv[k].w;
       }
     }
-    acc = m2::warp_sum(acc);
-    if (lane == 0) {
-      if (dskip) acc += (D.d_per_channel ? dskip[h * P + p] : dskip[h]) * xv;
-      if (z) acc *= m2::silu(m2::to_f(z[b * D.z_stride + static_cast<size_t>(h) * P + p]));
-      y[static_cast<size_t>(bh) * P + p] = m2::from_f<T>(acc);
-    }
+    finish_row<T>(m2::warp_sum(acc), xv, b, h, bh, p, lane, dskip, z, y, D);
   }
 }
 
@@ -138,12 +146,7 @@ __device__ void ssd_step_scalar(S* __restrict__ state, const T* __restrict__ x,
       row[n] = m2::from_f<S>(s);
       acc += s * m2::to_f(cg[n]);
     }
-    acc = m2::warp_sum(acc);
-    if (lane == 0) {
-      if (dskip) acc += (D.d_per_channel ? dskip[h * P + p] : dskip[h]) * xv;
-      if (z) acc *= m2::silu(m2::to_f(z[b * D.z_stride + static_cast<size_t>(h) * P + p]));
-      y[static_cast<size_t>(bh) * P + p] = m2::from_f<T>(acc);
-    }
+    finish_row<T>(m2::warp_sum(acc), xv, b, h, bh, p, lane, dskip, z, y, D);
   }
 }
 
