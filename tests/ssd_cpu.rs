@@ -236,21 +236,7 @@ fn ssd_equals_repeated_steps() -> Result<()> {
         };
         let mut ys = Vec::new();
         for t in 0..spec.seqlen {
-            let z = pb.z.as_ref().map(|z| z.i((.., t))).transpose()?;
-            let step_opts = k::StepOptions {
-                z: z.as_ref(),
-                ..pb.step_options()
-            };
-            let y = k::ssd_step(
-                &state,
-                &pb.x.i((.., t))?,
-                &pb.dt.i((.., t))?,
-                &pb.a,
-                &pb.b.i((.., t))?,
-                &pb.c.i((.., t))?,
-                &step_opts,
-            )?;
-            ys.push(y.unsqueeze(1)?);
+            ys.push(pb.step(&state, t)?.unsqueeze(1)?);
         }
         // bf16 states are rounded after every step here but only at chunk ends in `ssd`.
         let tol = if state_dtype == DType::F32 {
@@ -291,20 +277,7 @@ fn ssd_step_matches_reference() -> Result<()> {
             .map(|s| s.copy())
             .transpose()?
             .expect("init_state is set");
-        let z = pb.z.as_ref().map(|z| z.i((.., 0))).transpose()?;
-        let opts = k::StepOptions {
-            z: z.as_ref(),
-            ..pb.step_options()
-        };
-        let y = k::ssd_step(
-            &state,
-            &pb.x.i((.., 0))?,
-            &pb.dt.i((.., 0))?,
-            &pb.a,
-            &pb.b.i((.., 0))?,
-            &pb.c.i((.., 0))?,
-            &opts,
-        )?;
+        let y = pb.step(&state, 0)?;
         assert_eq!(y.dtype(), dtype);
         let e = rel_err(&y, &want.y.i((.., 0))?)?;
         assert!(e <= tolerance(dtype), "{dtype:?}: y rel err {e:e}");

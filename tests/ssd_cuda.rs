@@ -185,20 +185,7 @@ fn ssd_step_matches_reference() -> Result<()> {
         let want = reference::ssd(&cpu.x, &cpu.dt, &cpu.a, &cpu.b, &cpu.c, &cpu.options())?;
         let pb = cpu.to_device(&dev)?;
         let state = pb.init.as_ref().expect("init_state set").copy()?;
-        let z = pb.z.as_ref().map(|z| z.i((.., 0))).transpose()?;
-        let opts = k::StepOptions {
-            z: z.as_ref(),
-            ..pb.step_options()
-        };
-        let y = k::ssd_step(
-            &state,
-            &pb.x.i((.., 0))?,
-            &pb.dt.i((.., 0))?,
-            &pb.a,
-            &pb.b.i((.., 0))?,
-            &pb.c.i((.., 0))?,
-            &opts,
-        )?;
+        let y = pb.step(&state, 0)?;
         let tol = if dtype == DType::F32 && state_dtype == DType::F32 {
             1e-5
         } else {
@@ -225,23 +212,7 @@ fn ssd_equals_repeated_steps() -> Result<()> {
     let state = pb.init.as_ref().expect("init_state set").copy()?;
     let mut ys = Vec::new();
     for t in 0..s.seqlen {
-        let z = pb.z.as_ref().map(|z| z.i((.., t))).transpose()?;
-        let opts = k::StepOptions {
-            z: z.as_ref(),
-            ..pb.step_options()
-        };
-        ys.push(
-            k::ssd_step(
-                &state,
-                &pb.x.i((.., t))?,
-                &pb.dt.i((.., t))?,
-                &pb.a,
-                &pb.b.i((.., t))?,
-                &pb.c.i((.., t))?,
-                &opts,
-            )?
-            .unsqueeze(1)?,
-        );
+        ys.push(pb.step(&state, t)?.unsqueeze(1)?);
     }
     let e = rel_err(&Tensor::cat(&ys, 1)?, &y_full)?;
     assert!(e <= 1e-4, "steps vs ssd y rel err {e:e}");

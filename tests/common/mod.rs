@@ -1,8 +1,8 @@
 //! Shared test helpers: a seeded generator of SSD problems and the error measure.
 #![allow(dead_code)]
 
-use candle_core::{DType, Device, Result, Tensor};
-use mamba2::kernels::{DtOptions, SsdOptions, StepOptions};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use mamba2::kernels::{ssd_step, DtOptions, SsdOptions, StepOptions};
 
 pub mod fixture;
 
@@ -222,6 +222,25 @@ impl Problem {
             d: self.d.as_ref(),
             z: None,
         }
+    }
+
+    /// `ssd_step` on token `t` of the problem (its gate too, when it has one): updates `state` in
+    /// place and returns y `[B,H,P]`.
+    pub fn step(&self, state: &Tensor, t: usize) -> Result<Tensor> {
+        let z = self.z.as_ref().map(|z| z.i((.., t))).transpose()?;
+        let opts = StepOptions {
+            z: z.as_ref(),
+            ..self.step_options()
+        };
+        ssd_step(
+            state,
+            &self.x.i((.., t))?,
+            &self.dt.i((.., t))?,
+            &self.a,
+            &self.b.i((.., t))?,
+            &self.c.i((.., t))?,
+            &opts,
+        )
     }
 }
 
