@@ -1,20 +1,12 @@
 // Stage 2: the state entering every chunk, by the jump formula (d = da_cumsum, log2 space):
 //   h_{c+1} = exp2(d_last)·h_c + Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ        h: [P, N]
 // x [B,L,H,P], b [B,L,G,N] (value type T), dt/da [B,H,L] f32, init [B,H,P,N] and
-// states [B,H,C+1,P,N] in the state type S (f32 or bf16). Two tensor-core paths for bf16/f16
-// (the launcher picks by shape: the walk when its programs fill the GPU over a short walk, or
-// N ≥ 256; the pair otherwise) and a SIMT one:
+// states [B,H,C+1,P,N] in the state type S (f32 or bf16). Two passes for bf16/f16 values on
+// tensor cores, and a SIMT kernel for the rest:
 //
-// fwd_pass_state_mma (the walk): a program owns one [PT, NT] tile of one
-//   (batch, head)'s state as the f32 accumulators of m16n8k16 MMAs (4 warps, each a block of
-//   it). Per chunk: store the carried state as the entry state (each warp stages its block in
-//   shared memory and writes 16-byte vectors), h ← exp2(d_last)·h, then h += xᵀ·(w∘b) with
-//   w_s = exp2(d_last − d_s)·dt_s applied to the x fragments in registers (w depends only on the
-//   token, the MMA's k). x, b, dt and d of the next `stages − 1` chunks are in flight by cp.async.
-//   Needs P % PT == 0, N % NT == 0, chunk % 16 == 0.
-// chunk_state_mma + state_scan (the pair): every chunk's own contribution in parallel on tensor
-//   cores (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1, then the cheap
-//   recurrence across chunks in place, streaming the slots with 16-byte accesses.
+// chunk_state_mma: every chunk's own contribution Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ, all
+//   chunks in parallel (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1;
+// state_scan: the recurrence across chunks in place, streaming the slots with 16-byte accesses.
 // fwd_pass_state_simt: any type and shape; one thread per state element, chunks in order.
 #include "common.cuh"
 
@@ -24,15 +16,7 @@ struct Dims {
   int batch, seqlen, nheads, headdim, ngroups, dstate, chunk, nchunks;
 };
 
-constexpr int PAD = 8;    // elements of padding per shared row: conflict-free ldmatrix and staging
-constexpr int WARPS = 4;  // per fwd_pass_state_mma program
-
-// Wait until at most `n` (0, 1 or 2) cp.async groups are pending.
-__device__ __forceinline__ void cp_async_wait_pending(int n) {
-  if (n >= 2) m2::cp_async_wait<2>();
-  else if (n == 1) m2::cp_async_wait<1>();
-  else m2::cp_async_wait<0>();
-}
+constexpr int PAD = 8;  // elements of padding per shared row: conflict-free ldmatrix and staging
 
 // Elementwise product of two packed pairs of T.
 template <typename T> __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b);
@@ -44,156 +28,6 @@ template <> __device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, 
 template <> __device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_t b) {
   const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
   return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-// Grid (N / NT, P / PT, B·H), WARPS·32 threads; `stages` (2–4) chunk buffers in shared memory.
-// The warps tile [PT, NT] as WM × WN blocks of [MW, NW]; a warp's accumulators acc[i][j] cover
-// rows 16i.. of its block and columns 8j.. (elements 0,1: row lane/4, columns (lane%4)·2 + {0,1};
-// elements 2,3: row lane/4 + 8).
-template <typename T, typename S, int PT, int NT>
-__device__ void fwd_pass_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
-                                   const float* __restrict__ dt, const float* __restrict__ da,
-                                   const S* __restrict__ init, S* __restrict__ states, Dims D,
-                                   int stages) {
-  constexpr int WM = (PT == 64 && NT <= 32) ? 4 : 2, WN = WARPS / WM;
-  constexpr int MW = PT / WM, NW = NT / WN, MI = MW / 16, NJ = NW / 8;
-  static_assert(MW % 16 == 0 && NW % 16 == 0, "warp blocks of whole 16x16 tiles");
-  constexpr int XR = PT + PAD, BR = NT + PAD, SR = NW + PAD, THREADS = 32 * WARPS;
-  constexpr int V = 16 / sizeof(S);  // state elements per 16-byte store
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int chunk = D.chunk;
-  T* xs = reinterpret_cast<T*>(smem_raw);                          // [stages][chunk][XR]
-  T* bs = xs + stages * chunk * XR;                                // [stages][chunk][BR]
-  float* ds = reinterpret_cast<float*>(bs + stages * chunk * BR);  // [stages][chunk]
-  float* dts = ds + stages * chunk;                                // [stages][chunk]
-  S* hs = reinterpret_cast<S*>(dts + stages * chunk);              // [WARPS][16][SR]
-  T* ws = reinterpret_cast<T*>(hs + WARPS * 16 * SR);              // [WARPS][chunk]
-
-  const int n0 = blockIdx.x * NT, p0 = blockIdx.y * PT, bh = blockIdx.z;
-  const int b = bh / D.nheads, h = bh % D.nheads, g = h / (D.nheads / D.ngroups);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int wp = (warp % WM) * MW, wn = (warp / WM) * NW;  // the warp's block in the tile
-  const int gr = lane / 4, tc = (lane % 4) * 2;
-  const size_t hp = static_cast<size_t>(D.nheads) * D.headdim;
-  const size_t gn = static_cast<size_t>(D.ngroups) * D.dstate;
-  const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
-  const T* xh = x + static_cast<size_t>(b) * D.seqlen * hp + static_cast<size_t>(h) * D.headdim + p0;
-  const T* bg = bm + static_cast<size_t>(b) * D.seqlen * gn + static_cast<size_t>(g) * D.dstate + n0;
-  const float* dth = dt + static_cast<size_t>(bh) * D.seqlen;
-  const float* dah = da + static_cast<size_t>(bh) * D.seqlen;
-  S* hout = states + static_cast<size_t>(bh) * (D.nchunks + 1) * pn +
-            static_cast<size_t>(p0 + wp) * D.dstate + n0 + wn;
-  S* hsw = hs + warp * 16 * SR;
-  T* wsw = ws + warp * chunk;
-
-  // Chunk c's x, b, dt and d into buffer c % stages (rows past the sequence zero-filled); one
-  // cp.async group per call, empty past the last chunk.
-  auto load = [&](int c) {
-    if (c < D.nchunks) {
-      const int l0 = c * chunk, len = min(chunk, D.seqlen - l0), buf = c % stages;
-      T* xd = xs + buf * chunk * XR;
-      T* bd = bs + buf * chunk * BR;
-      for (int i = tid; i < chunk * (PT / 8); i += THREADS) {
-        const int r = i / (PT / 8), q = i % (PT / 8) * 8;
-        const bool ok = r < len;
-        m2::cp_async16(xd + r * XR + q, xh + static_cast<size_t>(l0 + (ok ? r : 0)) * hp + q, ok);
-      }
-      for (int i = tid; i < chunk * (NT / 8); i += THREADS) {
-        const int r = i / (NT / 8), q = i % (NT / 8) * 8;
-        const bool ok = r < len;
-        m2::cp_async16(bd + r * BR + q, bg + static_cast<size_t>(l0 + (ok ? r : 0)) * gn + q, ok);
-      }
-      for (int i = tid; i < chunk; i += THREADS) {
-        const bool ok = i < len;
-        m2::cp_async4(ds + buf * chunk + i, dah + l0 + (ok ? i : 0), ok);
-        m2::cp_async4(dts + buf * chunk + i, dth + l0 + (ok ? i : 0), ok);
-      }
-    }
-    m2::cp_async_commit();
-  };
-
-  float acc[MI][NJ][4];
-#pragma unroll
-  for (int i = 0; i < MI; ++i)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const size_t p = p0 + wp + i * 16 + gr + (e / 2) * 8;
-        const int n = n0 + wn + j * 8 + tc + e % 2;
-        acc[i][j][e] = init ? m2::to_f(init[bh * pn + p * D.dstate + n]) : 0.f;
-      }
-
-  // The carried state as slot `slot`: each warp stages 16 rows of its block at a time and writes
-  // them as 16-byte vectors (whole 32-byte sectors of every row).
-  auto store = [&](int slot) {
-    S* dst = hout + static_cast<size_t>(slot) * pn;
-#pragma unroll
-    for (int i = 0; i < MI; ++i) {
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        m2::store2<S>(hsw + gr * SR + j * 8 + tc, acc[i][j][0], acc[i][j][1]);
-        m2::store2<S>(hsw + (gr + 8) * SR + j * 8 + tc, acc[i][j][2], acc[i][j][3]);
-      }
-      __syncwarp();
-#pragma unroll
-      for (int v = lane; v < 16 * (NW / V); v += 32) {
-        const int r = v / (NW / V), q = v % (NW / V) * V;
-        *reinterpret_cast<uint4*>(dst + static_cast<size_t>(i * 16 + r) * D.dstate + q) =
-            *reinterpret_cast<const uint4*>(hsw + r * SR + q);
-      }
-      __syncwarp();
-    }
-  };
-
-  for (int c = 0; c < stages - 1; ++c) load(c);
-  for (int c = 0; c < D.nchunks; ++c) {
-    store(c);
-    cp_async_wait_pending(stages - 2);
-    __syncthreads();  // chunk c has landed for all; every warp is done with chunk c − 1's buffer
-    load(c + stages - 1);
-    const int buf = c % stages, len = min(chunk, D.seqlen - c * chunk);
-    const T* xc = xs + buf * chunk * XR;
-    const T* bc = bs + buf * chunk * BR;
-    const float* dc = ds + buf * chunk;
-    const float* dtc = dts + buf * chunk;
-    const float d_last = dc[len - 1];
-    for (int s = lane; s < chunk; s += 32)
-      wsw[s] = m2::from_f<T>(s < len ? m2::exp2_fast(d_last - dc[s]) * dtc[s] : 0.f);
-    __syncwarp();
-    const float decay = m2::exp2_fast(d_last);
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] *= decay;
-    for (int k0 = 0; k0 < len; k0 += 16) {
-      // This thread's tokens: k0 + (lane%4)·2 + {0, 1} (fragment registers 0, 1) and + 8 (2, 3).
-      const uint32_t w0 = *reinterpret_cast<const uint32_t*>(wsw + k0 + tc);
-      const uint32_t w8 = *reinterpret_cast<const uint32_t*>(wsw + k0 + tc + 8);
-      uint32_t a[MI][4];
-#pragma unroll
-      for (int i = 0; i < MI; ++i) {
-        m2::ldsm_x4_t(a[i], xc + (k0 + lane % 8 + lane / 16 * 8) * XR + wp + i * 16 + lane / 8 % 2 * 8);
-        a[i][0] = mul2<T>(a[i][0], w0);
-        a[i][1] = mul2<T>(a[i][1], w0);
-        a[i][2] = mul2<T>(a[i][2], w8);
-        a[i][3] = mul2<T>(a[i][3], w8);
-      }
-#pragma unroll
-      for (int j = 0; j < NJ; j += 2) {
-        uint32_t bf[4];
-        m2::ldsm_x4_t(bf, bc + (k0 + lane % 8 + lane / 8 % 2 * 8) * BR + wn + (j + lane / 16) * 8);
-#pragma unroll
-        for (int i = 0; i < MI; ++i) {
-          m2::Mma<T>::run(acc[i][j], a[i], bf[0], bf[1]);
-          m2::Mma<T>::run(acc[i][j + 1], a[i], bf[2], bf[3]);
-        }
-      }
-    }
-  }
-  store(D.nchunks);
 }
 
 template <typename T, typename S>
@@ -327,79 +161,51 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   }
 }
 
-template <typename S> struct Vec;
-template <> struct Vec<float> {
-  static constexpr int N = 4;
-  __device__ __forceinline__ static void load(const float* p, float (&v)[4]) {
-    const float4 u = *reinterpret_cast<const float4*>(p);
-    v[0] = u.x; v[1] = u.y; v[2] = u.z; v[3] = u.w;
-  }
-  __device__ __forceinline__ static void store(float* p, const float (&v)[4]) {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-  }
-};
-template <> struct Vec<__nv_bfloat16> {
-  static constexpr int N = 8;
-  __device__ __forceinline__ static void load(const __nv_bfloat16* p, float (&v)[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-      v[2 * i] = f.x;
-      v[2 * i + 1] = f.y;
-    }
-  }
-  __device__ __forceinline__ static void store(__nv_bfloat16* p, const float (&v)[8]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-      w[i] = *reinterpret_cast<uint32_t*>(&h);
-    }
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-};
-
 // The inter-chunk recurrence over the slots chunk_state_mma wrote, in place:
 //   slot 0 ← init (or 0);  slot c+1 ← exp2(d_last_c)·slot c + local_c
-// One thread per Vec<S>::N consecutive state elements of one (batch, head), carried in f32; the
-// loads of the next chunks are independent of the carry, so they stay in flight.
-template <typename S>
+// One thread per 8 consecutive state elements of one (batch, head), carried in f32. The loads do
+// not depend on the carry: a ring of PF chunks stays in flight (raw, unpacked at use), enough
+// bytes per SM to cover the memory latency with the few threads a (batch, head) gives.
+template <typename S, int PF>
 __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ init,
                            S* __restrict__ states, Dims D) {
-  constexpr int V = Vec<S>::N;
+  using V8 = m2::Vec8<S>;
   const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
-  const size_t e = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  const size_t e = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   const int bh = blockIdx.y;
   if (e >= pn) return;
   const float* dah = da + static_cast<size_t>(bh) * D.seqlen;
   S* base = states + static_cast<size_t>(bh) * (D.nchunks + 1) * pn + e;
-  float h[V];
+  float h[8];
   if (init) {
-    Vec<S>::load(init + static_cast<size_t>(bh) * pn + e, h);
+    V8::unpack(V8::load(init + static_cast<size_t>(bh) * pn + e, false), h);
   } else {
 #pragma unroll
-    for (int i = 0; i < V; ++i) h[i] = 0.f;
+    for (int i = 0; i < 8; ++i) h[i] = 0.f;
   }
-  Vec<S>::store(base, h);
-  // A ring of PF chunks loaded ahead: chunk c + PF is requested before chunk c is stored.
-  constexpr int PF = 4;
-  float buf[PF][V];
+  V8::store(base, h);
+  // Chunk c's local state and d_last_c are loaded PF chunks ahead of their use.
+  typename V8::Raw ring[PF];
+  float d_last[PF];
+  auto fetch = [&](int c, int i) {
+    ring[i] = V8::load(base + static_cast<size_t>(c + 1) * pn, true);
+    d_last[i] = dah[min((c + 1) * D.chunk, D.seqlen) - 1];
+  };
 #pragma unroll
   for (int i = 0; i < PF; ++i)
-    if (i < D.nchunks) Vec<S>::load(base + (i + 1) * pn, buf[i]);
+    if (i < D.nchunks) fetch(i, i);
   for (int c0 = 0; c0 < D.nchunks; c0 += PF) {
 #pragma unroll
     for (int i = 0; i < PF; ++i) {
       const int c = c0 + i;
       if (c >= D.nchunks) break;
-      const int last = min((c + 1) * D.chunk, D.seqlen) - 1;
-      const float decay = m2::exp2_fast(dah[last]);
+      float local[8];
+      V8::unpack(ring[i], local);
+      const float a = m2::exp2_fast(d_last[i]);
+      if (c + PF < D.nchunks) fetch(c + PF, i);
 #pragma unroll
-      for (int k = 0; k < V; ++k) h[k] = decay * h[k] + buf[i][k];
-      if (c + PF < D.nchunks) Vec<S>::load(base + (c + PF + 1) * pn, buf[i]);
-      Vec<S>::store(base + (c + 1) * pn, h);
+      for (int k = 0; k < 8; ++k) h[k] = a * h[k] + local[k];
+      V8::store(base + static_cast<size_t>(c + 1) * pn, h);
     }
   }
 }
@@ -408,20 +214,6 @@ __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ i
 
 #define FPS_ARGS(T, S) \
   const T *x, const T *b, const float *dt, const float *da, const S *init, S *states, Dims d
-
-#define FPS_MMA(T, TN, S, SN, PT, NT)                                                      \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS)                                  \
-      fwd_pass_state_mma_##TN##_##SN##_p##PT##_n##NT(FPS_ARGS(T, S), int stages) {        \
-    m2::wait_prior_grid();                                                                \
-    fwd_pass_state_mma<T, S, PT, NT>(x, b, dt, da, init, states, d, stages);              \
-  }
-#define FPS_MMA_TILES(T, TN, S, SN)                                               \
-  FPS_MMA(T, TN, S, SN, 64, 64) FPS_MMA(T, TN, S, SN, 64, 32)                     \
-  FPS_MMA(T, TN, S, SN, 32, 64) FPS_MMA(T, TN, S, SN, 32, 32) FPS_MMA(T, TN, S, SN, 64, 16)
-FPS_MMA_TILES(__nv_bfloat16, bf16, float, f32)
-FPS_MMA_TILES(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
-FPS_MMA_TILES(__half, f16, float, f32)
-FPS_MMA_TILES(__half, f16, __nv_bfloat16, bf16)
 
 #define FPS_SIMT(T, TN, S, SN)                                                   \
   extern "C" __global__ void fwd_pass_state_simt_##TN##_##SN(FPS_ARGS(T, S)) {   \
@@ -451,12 +243,13 @@ CHUNK_STATE_ALL(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 CHUNK_STATE_ALL(__half, f16, float, f32)
 CHUNK_STATE_ALL(__half, f16, __nv_bfloat16, bf16)
 
-#define SCAN(S, SN)                                                                          \
+// 128 bytes in flight per thread and chunk ring: 8 chunks of bf16, 4 of f32.
+#define SCAN(S, SN, PF)                                                                      \
   extern "C" __global__ void state_scan_##SN(const float* da, const S* init, S* states,      \
                                              Dims d) {                                       \
     m2::wait_prior_grid();                                                                   \
-    state_scan<S>(da, init, states, d);                                                      \
+    state_scan<S, PF>(da, init, states, d);                                                  \
   }
-SCAN(float, f32)
-SCAN(__nv_bfloat16, bf16)
+SCAN(float, f32, 4)
+SCAN(__nv_bfloat16, bf16, 8)
 

@@ -1,7 +1,7 @@
 //! Launchers of the SSD ops. Dispatch: bf16/f16 values on the tensor-core kernels when
-//! P % 32 == 0 and N % 16 == 0 and the chunk fits the MMA tiling (fwd_pass_state has two: the
-//! chunk walk where `walk_wins` or the chunk-parallel pair cannot run, the pair otherwise);
-//! everything else — f32, odd sizes — on the SIMT kernels.
+//! P % 32 == 0 and N % 16 == 0 and the chunk fits the MMA tiling (fwd_pass_state as a pair:
+//! every chunk's own state in parallel, then the scan across chunks); everything else — f32, odd
+//! sizes — on the SIMT kernels.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
@@ -138,27 +138,8 @@ pub(crate) fn fwd_pass_state(
     let bh = (d.batch * d.nheads) as u32;
     let shape = Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate));
     if matches!(x_s.dtype(), DType::BF16 | DType::F16) && chunk % 16 == 0 {
-        let (sms, max) = (sm_count(&stream)?, max_smem(&stream)?);
-        let tile = state_tile(&d, chunk, op.state_dtype.size_in_bytes(), sms, max);
+        let max = max_smem(&stream)?;
         let pair = chunk_state_tile(&d, chunk, op.state_dtype.size_in_bytes(), init_p, max);
-        let walk = tile.filter(|_| pair.is_none() || walk_wins(&d, nchunks, sms));
-        if let Some(tile) = walk {
-            let (pt, nt) = (tile.pt, tile.nt);
-            let f = function(
-                &stream,
-                FWD_PASS_STATE,
-                &format!("fwd_pass_state_mma_{t}_{s}_p{pt}_n{nt}"),
-            )?;
-            let grid = ((d.dstate / nt) as u32, (d.headdim / pt) as u32, bh);
-            let stages = tile.stages as i32;
-            launch(
-                &stream,
-                &f,
-                cfg(grid, (128, 1, 1), tile.smem),
-                &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd, &stages],
-            )?;
-            return Ok((out, shape));
-        }
         if let Some((warps, nt, smem)) = pair {
             // Every chunk's own contribution in parallel, then the scan across chunks.
             let f = function(
@@ -177,9 +158,8 @@ pub(crate) fn fwd_pass_state(
                 cfg(grid, (32 * warps as u32, 1, 1), smem),
                 &[&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
             )?;
-            let vec = if op.state_dtype == DType::F32 { 4 } else { 8 };
             let f = function(&stream, FWD_PASS_STATE, &format!("state_scan_{s}"))?;
-            let grid = ((d.headdim * d.dstate / vec).div_ceil(256) as u32, bh, 1);
+            let grid = ((d.headdim * d.dstate / 8).div_ceil(256) as u32, bh, 1);
             launch(
                 &stream,
                 &f,
@@ -204,17 +184,6 @@ pub(crate) fn fwd_pass_state(
     Ok((out, shape))
 }
 
-/// Whether the chunk-walking kernel (`fwd_pass_state_mma`, one pass, each program sequential over
-/// the chunks) beats the chunk-parallel pair (`chunk_state_mma` + `state_scan`, three passes over
-/// the states). On the H200 (bench/RESULTS.md, session 3 run 4) the walk wins only when its
-/// programs fill the GPU and the walk is short (B=1, H=80, L=2048: 45 vs 52 µs) or when N ≥ 256
-/// (N=256, L=16384: 258 vs 307 µs); with few programs or long walks its per-chunk latency
-/// dominates (B=4, H=8, N=128, L=16384: 265 vs 187 µs; B=1, H=24, L=2048: 34 vs 24 µs).
-fn walk_wins(d: &SsdDims, nchunks: usize, sms: usize) -> bool {
-    let programs = d.batch * d.nheads * d.headdim.div_ceil(64) * d.dstate.div_ceil(64);
-    (programs >= sms && nchunks <= 32) || d.dstate >= 256
-}
-
 /// The launch of `chunk_state_mma` — (warps, N-tile, shared bytes) — if the shape suits it: P a
 /// multiple of 32, N of 16, a 16-byte aligned initial state, and a chunk that fits in shared memory.
 fn chunk_state_tile(
@@ -236,55 +205,6 @@ fn chunk_state_tile(
     let staging = warps * 16 * (nt + 8) * state_bytes;
     let smem = tiles.max(staging);
     (smem <= max_smem).then_some((warps, nt, smem))
-}
-
-/// A launch of fwd_pass_state_mma: its [P-tile, N-tile] state tile, chunk buffers, shared bytes.
-struct StateTile {
-    pt: usize,
-    nt: usize,
-    stages: usize,
-    smem: usize,
-}
-
-/// The state tile and pipeline depth for fwd_pass_state_mma, or None where no tile fits.
-///
-/// A program walks every chunk of its (batch, head), so its time is per-token work: loading its
-/// x and b columns (PT + NT values; x is re-read by every N-tile, b by every head and P-tile) and
-/// PT·NT multiply-adds, the MMA worth about 1/50 of a loaded value. Programs beyond one per SM
-/// share the SMs, so the cost is (programs per SM) × per-program work. The deepest pipeline (up
-/// to 4 chunks) that lets those programs sit on an SM together is taken.
-fn state_tile(
-    d: &SsdDims,
-    chunk: usize,
-    state_bytes: usize,
-    sms: usize,
-    max_smem: usize,
-) -> Option<StateTile> {
-    let smem = |pt: usize, nt: usize, stages: usize| {
-        stages * chunk * ((pt + 8 + nt + 8) * 2 + 8)
-            + 4 * 16 * (nt + 8) * state_bytes
-            + 4 * chunk * 2
-    };
-    let per_sm = |pt: usize, nt: usize| {
-        (d.batch * d.nheads * (d.headdim / pt) * (d.dstate / nt)).div_ceil(sms)
-    };
-    let (pt, nt) = [(64, 64), (64, 32), (32, 64), (32, 32), (64, 16)]
-        .into_iter()
-        .filter(|&(pt, nt)| {
-            d.headdim % pt == 0 && d.dstate % nt == 0 && smem(pt, nt, 2) <= max_smem
-        })
-        .min_by_key(|&(pt, nt)| per_sm(pt, nt) * (50 * (pt + nt) + pt * nt))?;
-    let budget = (max_smem / per_sm(pt, nt)).saturating_sub(1024);
-    let stages = (3..=4)
-        .rev()
-        .find(|&s| smem(pt, nt, s) <= budget)
-        .unwrap_or(2);
-    Some(StateTile {
-        pt,
-        nt,
-        stages,
-        smem: smem(pt, nt, stages),
-    })
 }
 
 pub(crate) fn compute_out(
