@@ -3,21 +3,21 @@
 // x, z, y [B,L,H,P] and b, c [B,L,G,N] (value type T), dt/da [B,H,L] f32, chunk states
 // [B,H,C+1,P,N] (S), D [H] or [H,P] f32.
 //
-// compute_out_mma: bf16/f16 on tensor cores. A program owns (batch, chunk, HB heads of one group),
-//   blockDim = chunk. Warp w owns the 16-row blocks w and R−1−w (R = chunk/16), which balances
-//   the causal work.
-//   1. c and b of the chunk land in shared memory; each warp computes C·Bᵀ (tensor cores) for
-//      the 16×16 blocks (rb, kb ≤ rb) of its rows once, rounds it to T and keeps it in shared
-//      memory in the A-fragment layout of mma.m16n8k16 (a uint4 per lane and block), read back
-//      only by the lane that wrote it. b is then dead; its space holds the pipeline buffers.
-//   2. The (head, P-tile) units stream through two buffers (x tile, state tile, d, dt) by
-//      cp.async: unit u+1 loads while unit u computes. Per unit and row block: Y = C·hᵀ scaled by
-//      exp2(d_t); then for every column block kb ≤ rb the stored C·Bᵀ block is scaled in
-//      registers and becomes the A operand of Y += S·X.
+// compute_out_mma: bf16/f16 on tensor cores, specialised on N and the P-tile PT. A program owns
+//   (batch, chunk, HB heads of one group), one warp per 16-row block of the chunk.
+//   0. c, b and every head's d and dt land in shared memory. Each warp keeps its rows of C as
+//      MMA A-fragments in registers for the whole program, computes C·Bᵀ for its 16×16 blocks
+//      (rb, kb ≤ rb) once, rounded to T in the A-fragment layout (a uint4 per lane and block,
+//      read back only by the lane that wrote it), and the per-token decay factors of every head
+//      are computed once (ws, es below).
+//   1. The (head, P-tile) units stream through two buffers (x tile, state tile) by cp.async: unit
+//      u+1 loads while unit u computes, one barrier per unit. Per unit and warp: Y = C·hᵀ from the
+//      register fragments, scaled by exp2(d_t); then for every column block kb ≤ rb the stored
+//      C·Bᵀ block is scaled in registers and becomes the A operand of Y += S·X; + D·x, · silu(z).
 //   Off the diagonal (kb < rb, r0 = 16·rb, e = 16·kb + 15, so s ≤ e < r0 ≤ t) the decay factors
-//   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first and last
-//   are per token (es, ws, once per unit), the middle one per block. The diagonal block uses
-//   exp2(d_t − d_s)·dt_s directly, masked by index compare. No masked exponential is used.
+//   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) and
+//   last (ws, with dt_s) are per token, the middle one per block. The diagonal block uses
+//   exp2(d_t − d_s)·dt_s directly, selected by index compare. No masked exponential is used.
 // compute_out_simt: any type and shape, for f32 and the sizes the MMA path does not cover.
 #include <type_traits>
 
@@ -32,34 +32,24 @@ struct Dims {
 
 constexpr int PAD = 8;
 
-__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
-__device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-
-// Copies a [rows, cols] chunk-state tile (row stride src_stride) into shared memory as T:
-// by cp.async when the state type is the value type, else converted through registers.
-template <typename T, typename S>
-__device__ __forceinline__ void load_state_tile(T* dst, const S* src, int rows, int cols,
-                                                int dst_stride, int src_stride, int tid,
+// Copies a [rows, cols] chunk-state tile (contiguous rows of `cols`) into shared memory as T
+// (row stride dst_stride): by cp.async when the state type is the value type, else converted
+// through registers.
+template <typename T, typename S, int ROWS, int COLS>
+__device__ __forceinline__ void load_state_tile(T* dst, const S* src, int dst_stride, int tid,
                                                 int threads) {
   if constexpr (std::is_same<T, S>::value) {
-    for (int i = tid; i < rows * (cols / 8); i += threads) {
-      const int r = i / (cols / 8), q = (i % (cols / 8)) * 8;
-      m2::cp_async16(dst + r * dst_stride + q, src + static_cast<size_t>(r) * src_stride + q, true);
+    for (int i = tid; i < ROWS * COLS / 8; i += threads) {
+      const int r = i / (COLS / 8), q = (i % (COLS / 8)) * 8;
+      m2::cp_async16(dst + r * dst_stride + q, src + i * 8, true);
     }
   } else {
-    for (int i = tid; i < rows * (cols / 4); i += threads) {
-      const int r = i / (cols / 4), q = (i % (cols / 4)) * 4;
-      const float4 v = load4(src + static_cast<size_t>(r) * src_stride + q);
-      T* o = dst + r * dst_stride + q;
-      o[0] = m2::from_f<T>(v.x);
-      o[1] = m2::from_f<T>(v.y);
-      o[2] = m2::from_f<T>(v.z);
-      o[3] = m2::from_f<T>(v.w);
+    using V8 = m2::Vec8<S>;
+    for (int i = tid; i < ROWS * COLS / 8; i += threads) {
+      const int r = i / (COLS / 8), q = (i % (COLS / 8)) * 8;
+      float v[8];
+      V8::unpack(V8::load(src + i * 8, true), v);
+      m2::Vec8<T>::store(dst + r * dst_stride + q, v);
     }
   }
 }
@@ -80,228 +70,222 @@ __device__ __forceinline__ float2 unpack(uint32_t v) {
   return load_pair<T>(reinterpret_cast<const T*>(&v));
 }
 
-// Shared memory of compute_out_mma, in T elements (the host computes the same sizes in bytes):
-// cs [chunk][N+PAD] | cb [R(R+1)/2 blocks][256] | two buffers, each
-// xs [chunk][PT+PAD], hs [PT][N+PAD], ds, dts, ws, es [chunk] f32. b [chunk][N+PAD] takes the
-// second buffer while C·Bᵀ is computed, or both when it does not fit in one.
-template <int PT>
+// Shared memory of compute_out_mma in bytes (the launcher's `mma_smem` computes the same):
+// cb [W(W+1)/2 blocks][32 lanes] uint4 | sc [HB][4][chunk] f32 (d, dt, ws, es) | a region that
+// holds c [chunk][N+PAD] and b [chunk][N+PAD] first, then two unit buffers, each
+// x [chunk][PT+PAD] and the state tile [PT][N+PAD].
+template <int N, int PT>
 struct Layout {
-  int NR, XR, cb, buf;
-  __device__ Layout(int chunk, int N)
-      : NR(N + PAD), XR(PT + PAD), cb((chunk / 16) * (chunk / 16 + 1) / 2 * 256),
-        buf(chunk * (PT + PAD) + PT * (N + PAD) + 4 * chunk * 2) {}
+  static constexpr int NR = N + PAD, XR = PT + PAD;
+  int cb_bytes, sc_bytes, buf_elems;
+  __device__ Layout(int chunk, int hb)
+      : cb_bytes((chunk / 16) * (chunk / 16 + 1) / 2 * 512), sc_bytes(hb * 4 * chunk * 4),
+        buf_elems(chunk * XR + PT * NR) {}
 };
 
-template <typename T, typename S, int PT>
+template <typename T, typename S, int N, int PT>
 __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const T* __restrict__ cm, const float* __restrict__ dt,
                                 const float* __restrict__ da, const S* __restrict__ states,
                                 const float* __restrict__ dskip, const T* __restrict__ z,
                                 T* __restrict__ y, Dims D) {
+  constexpr int NR = Layout<N, PT>::NR, XR = Layout<N, PT>::XR, KS = N / 16, NJ = PT / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int chunk = D.chunk, N = D.dstate, P = D.headdim;
-  const Layout<PT> lay(chunk, N);
-  const int NR = lay.NR, XR = lay.XR;
-  T* cs = reinterpret_cast<T*>(smem_raw);
-  uint4* cbs = reinterpret_cast<uint4*>(cs + chunk * NR);
-  T* const buf0 = cs + chunk * NR + lay.cb;
-  auto buf_of = [&](int u) { return buf0 + (u % 2) * lay.buf; };
-  const bool b_late = chunk * NR > lay.buf;  // b needs both buffers: unit 0 waits for C·Bᵀ
-  T* bs = b_late ? buf0 : buf0 + lay.buf;
+  const int chunk = D.chunk, P = D.headdim, HB = D.heads_per_block;
+  const Layout<N, PT> lay(chunk, HB);
+  uint4* cbs = reinterpret_cast<uint4*>(smem_raw);
+  float* sc = reinterpret_cast<float*>(smem_raw + lay.cb_bytes);
+  T* region = reinterpret_cast<T*>(smem_raw + lay.cb_bytes + lay.sc_bytes);
 
   const int c = blockIdx.x, b = blockIdx.z;
-  const int h_first = blockIdx.y * D.heads_per_block;
+  const int h_first = blockIdx.y * HB;
   const int g = h_first / (D.nheads / D.ngroups);
   const int l0 = c * chunk, len = min(chunk, D.seqlen - l0);
   const int threads = blockDim.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int rblocks = chunk / 16;
-  const int ptiles = P / PT, units = D.heads_per_block * ptiles;
+  const int ptiles = P / PT, units = HB * ptiles;
   const size_t hp = static_cast<size_t>(D.nheads) * P;
   const size_t gn = static_cast<size_t>(D.ngroups) * N;
   const size_t tok0 = static_cast<size_t>(b) * D.seqlen + l0;
   const int gr = lane / 4, tc = (lane % 4) * 2;
+  const int r0 = warp * 16, t_lo = r0 + gr, t_hi = t_lo + 8;
+  const bool rows_live = r0 < len;
 
-  // A buffer's parts: x tile (at its start), state tile, then d, dt, ws, es.
-  auto hs_of = [&](T* buf) { return buf + chunk * XR; };
-  auto ds_of = [&](T* buf) { return reinterpret_cast<float*>(buf + chunk * XR + PT * NR); };
+  // 0. c, b, and d, dt of every head.
+  {
+    T* cs = region;
+    T* bs = region + chunk * NR;
+    for (int i = tid; i < chunk * (N / 8); i += threads) {
+      const int r = i / (N / 8), q = (i % (N / 8)) * 8;
+      const bool ok = r < len;
+      const size_t src = (tok0 + (ok ? r : 0)) * gn + static_cast<size_t>(g) * N + q;
+      m2::cp_async16(cs + r * NR + q, cm + src, ok);
+      m2::cp_async16(bs + r * NR + q, bm + src, ok);
+    }
+    for (int i = tid; i < HB * chunk; i += threads) {
+      const int hh = i / chunk, t = i % chunk;
+      const bool ok = t < len;
+      const size_t at = (static_cast<size_t>(b) * D.nheads + h_first + hh) * D.seqlen + l0 + (ok ? t : 0);
+      m2::cp_async4(sc + (hh * 4) * chunk + t, da + at, ok);
+      m2::cp_async4(sc + (hh * 4 + 1) * chunk + t, dt + at, ok);
+    }
+    m2::cp_async_commit();
+    m2::cp_async_wait<0>();
+    __syncthreads();
+  }
+  // Per head and token: ws_s = exp2(d_e − d_s)·dt_s (e = the last token of s's 16-block) and
+  // es_t = exp2(d_t − d_{16·⌊t/16⌋}); zero past the sequence.
+  for (int i = tid; i < HB * chunk; i += threads) {
+    const int hh = i / chunk, t = i % chunk;
+    float* s4 = sc + hh * 4 * chunk;
+    const float d = s4[t];
+    const bool ok = t < len;
+    s4[2 * chunk + t] = ok ? m2::exp2_fast(s4[min(t | 15, len - 1)] - d) * s4[chunk + t] : 0.f;
+    s4[3 * chunk + t] = ok ? m2::exp2_fast(d - s4[t & ~15]) : 0.f;
+  }
+  // This warp's rows of C as A-fragments, and its blocks of C·Bᵀ.
+  uint32_t cf[KS][4];
+  uint4* cbw = cbs + (warp * (warp + 1) / 2) * 32 + lane;
+  {
+    const T* cs = region;
+    const T* bs = region + chunk * NR;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      m2::ldsm_x4(cf[ks], cs + (r0 + (lane % 8) + ((lane / 8) % 2) * 8) * NR + ks * 16 + (lane / 16) * 8);
+    if (rows_live) {
+      for (int kb = 0; kb <= warp; ++kb) {
+        float s[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          uint32_t bf[4];
+          m2::ldsm_x4(bf, bs + (kb * 16 + (lane / 16) * 8 + (lane % 8)) * NR + ks * 16 + ((lane / 8) % 2) * 8);
+          m2::Mma<T>::run(s[0], cf[ks], bf[0], bf[1]);
+          m2::Mma<T>::run(s[1], cf[ks], bf[2], bf[3]);
+        }
+        cbw[kb * 32] =
+            make_uint4(m2::Mma<T>::pack(s[0][0], s[0][1]), m2::Mma<T>::pack(s[0][2], s[0][3]),
+                       m2::Mma<T>::pack(s[1][0], s[1][1]), m2::Mma<T>::pack(s[1][2], s[1][3]));
+      }
+    }
+  }
+  __syncthreads();  // c and b are dead: the region holds the unit buffers from here
 
+  auto buf_of = [&](int u) { return region + (u % 2) * lay.buf_elems; };
   auto load_unit = [&](int u) {
-    T* buf = buf_of(u);
+    T* xs = buf_of(u);
     const int h = h_first + u / ptiles, p0 = (u % ptiles) * PT;
-    const size_t bh = static_cast<size_t>(b) * D.nheads + h;
-    T* xs = buf;
     for (int i = tid; i < chunk * (PT / 8); i += threads) {
       const int r = i / (PT / 8), q = (i % (PT / 8)) * 8;
       const bool ok = r < len;
       m2::cp_async16(xs + r * XR + q, x + (tok0 + (ok ? r : 0)) * hp + h * P + p0 + q, ok);
     }
+    const size_t bh = static_cast<size_t>(b) * D.nheads + h;
     const S* st = states + ((bh * (D.nchunks + 1)) + c) * static_cast<size_t>(P) * N +
                   static_cast<size_t>(p0) * N;
-    load_state_tile<T, S>(hs_of(buf), st, PT, N, NR, N, tid, threads);
-    float* ds = ds_of(buf);
-    const bool ok = tid < len;
-    const size_t at = bh * D.seqlen + l0 + (ok ? tid : 0);
-    m2::cp_async4(ds + tid, da + at, ok);
-    m2::cp_async4(ds + chunk + tid, dt + at, ok);
+    load_state_tile<T, S, PT, N>(xs + chunk * XR, st, NR, tid, threads);
+    m2::cp_async_commit();
   };
 
-  // 1. c and b, then C·Bᵀ of this warp's blocks.
-  for (int i = tid; i < chunk * (N / 8); i += threads) {
-    const int r = i / (N / 8), q = (i % (N / 8)) * 8;
-    const bool ok = r < len;
-    const size_t src = (tok0 + (ok ? r : 0)) * gn + static_cast<size_t>(g) * N + q;
-    m2::cp_async16(cs + r * NR + q, cm + src, ok);
-    m2::cp_async16(bs + r * NR + q, bm + src, ok);
-  }
-  m2::cp_async_commit();
-  if (b_late) {
-    m2::cp_async_wait<0>();
-  } else {
-    load_unit(0);
-    m2::cp_async_commit();
-    m2::cp_async_wait<1>();
-  }
-  __syncthreads();
-
-  uint4* cbw = cbs + warp * (rblocks + 1) * 32 + lane;  // this lane's slot of block 0
-  for (int half = 0; half < 2; ++half) {
-    const int rb = half == 0 ? warp : rblocks - 1 - warp;
-    if (rb * 16 >= len) continue;
-    for (int kb = 0; kb <= rb; ++kb) {
-      float s[2][4] = {};
-      for (int k0 = 0; k0 < N; k0 += 16) {
-        uint32_t a[4], bf[4];
-        m2::ldsm_x4(a, cs + (rb * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * NR + k0 + (lane / 16) * 8);
-        m2::ldsm_x4(bf, bs + (kb * 16 + (lane / 16) * 8 + (lane % 8)) * NR + k0 + ((lane / 8) % 2) * 8);
-        m2::Mma<T>::run(s[0], a, bf[0], bf[1]);
-        m2::Mma<T>::run(s[1], a, bf[2], bf[3]);
-      }
-      cbw[(half * (warp + 1) + kb) * 32] =
-          make_uint4(m2::Mma<T>::pack(s[0][0], s[0][1]), m2::Mma<T>::pack(s[0][2], s[0][3]),
-                     m2::Mma<T>::pack(s[1][0], s[1][1]), m2::Mma<T>::pack(s[1][2], s[1][3]));
-    }
-  }
-  __syncthreads();  // b is dead
-  if (b_late) {
-    load_unit(0);
-    m2::cp_async_commit();
-  }
-
-  // 2. The units, double-buffered.
+  load_unit(0);
   for (int u = 0; u < units; ++u) {
+    m2::cp_async_wait<0>();
+    __syncthreads();  // unit u has landed for all; every warp is done with unit u − 1's buffer
     if (u + 1 < units) load_unit(u + 1);
-    m2::cp_async_commit();
-    m2::cp_async_wait<1>();
-    __syncthreads();
-    T* buf = buf_of(u);
-    const T* xs = buf;
-    const T* hs = hs_of(buf);
-    float* ds = ds_of(buf);
-    float* dts = ds + chunk;
-    float* ws = dts + chunk;
-    float* es = ws + chunk;
-    if (tid < len) {
-      const float d = ds[tid];
-      ws[tid] = m2::exp2_fast(ds[min(tid | 15, len - 1)] - d) * dts[tid];
-      es[tid] = m2::exp2_fast(d - ds[tid & ~15]);
-    } else {
-      ws[tid] = 0.f;
-      es[tid] = 0.f;
-    }
-    __syncthreads();
+    if (!rows_live) continue;
+    const T* xs = buf_of(u);
+    const T* hs = xs + chunk * XR;
+    const int hh = u / ptiles, h = h_first + hh, p0 = (u % ptiles) * PT;
+    const float* ds = sc + hh * 4 * chunk;
+    const float* dts = ds + chunk;
+    const float* ws = ds + 2 * chunk;
+    const float* es = ds + 3 * chunk;
 
-    const int h = h_first + u / ptiles, p0 = (u % ptiles) * PT;
-    for (int half = 0; half < 2; ++half) {
-      const int rb = half == 0 ? warp : rblocks - 1 - warp;
-      if (rb * 16 >= len) continue;
-      const int t_lo = rb * 16 + gr, t_hi = t_lo + 8;
-      float acc[PT / 8][4] = {};
-      // Y = C·hᵀ.
-      for (int k0 = 0; k0 < N; k0 += 16) {
-        uint32_t a[4];
-        m2::ldsm_x4(a, cs + (rb * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * NR + k0 + (lane / 16) * 8);
+    // Y = C·hᵀ, scaled by exp2(d_t).
+    float acc[NJ][4] = {};
 #pragma unroll
-        for (int j = 0; j < PT / 8; j += 2) {
-          uint32_t bf[4];
-          m2::ldsm_x4(bf, hs + ((j + lane / 16) * 8 + (lane % 8)) * NR + k0 + ((lane / 8) % 2) * 8);
-          m2::Mma<T>::run(acc[j], a, bf[0], bf[1]);
-          m2::Mma<T>::run(acc[j + 1], a, bf[2], bf[3]);
-        }
-      }
-      const float d_lo = ds[t_lo], d_hi = ds[t_hi], d_r0 = ds[rb * 16];
-      const float y_lo = m2::exp2_fast(d_lo), y_hi = m2::exp2_fast(d_hi);
+    for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
-      for (int j = 0; j < PT / 8; ++j) {
-        acc[j][0] *= y_lo;
-        acc[j][1] *= y_lo;
-        acc[j][2] *= y_hi;
-        acc[j][3] *= y_hi;
-      }
-      // Y += (C·Bᵀ ∘ decay·dt ∘ causal)·X over the column blocks kb ≤ rb.
-      const float e_lo = es[t_lo], e_hi = es[t_hi];
-      for (int kb = 0; kb <= rb; ++kb) {
-        const uint4 raw = cbw[(half * (warp + 1) + kb) * 32];
-        const uint32_t cb[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t sa[4];
-        if (kb < rb) {
-          const float blk = m2::exp2_fast(d_r0 - ds[kb * 16 + 15]);
-          const float f_lo = e_lo * blk, f_hi = e_hi * blk;
-#pragma unroll
-          for (int v = 0; v < 2; ++v) {
-            const float2 w = *reinterpret_cast<const float2*>(ws + kb * 16 + v * 8 + tc);
-            const float2 lo = unpack<T>(cb[v * 2]), hi = unpack<T>(cb[v * 2 + 1]);
-            sa[v * 2] = m2::Mma<T>::pack(lo.x * w.x * f_lo, lo.y * w.y * f_lo);
-            sa[v * 2 + 1] = m2::Mma<T>::pack(hi.x * w.x * f_hi, hi.y * w.y * f_hi);
-          }
-        } else {
-#pragma unroll
-          for (int v = 0; v < 2; ++v) {
-            const int s0 = kb * 16 + v * 8 + tc;
-            const float w0 = dts[s0], w1 = dts[s0 + 1], q0 = ds[s0], q1 = ds[s0 + 1];
-            const float2 lo = unpack<T>(cb[v * 2]), hi = unpack<T>(cb[v * 2 + 1]);
-            const float v0 = s0 <= t_lo ? lo.x * m2::exp2_fast(d_lo - q0) * w0 : 0.f;
-            const float v1 = s0 + 1 <= t_lo ? lo.y * m2::exp2_fast(d_lo - q1) * w1 : 0.f;
-            const float v2 = s0 <= t_hi ? hi.x * m2::exp2_fast(d_hi - q0) * w0 : 0.f;
-            const float v3 = s0 + 1 <= t_hi ? hi.y * m2::exp2_fast(d_hi - q1) * w1 : 0.f;
-            sa[v * 2] = m2::Mma<T>::pack(v0, v1);
-            sa[v * 2 + 1] = m2::Mma<T>::pack(v2, v3);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < PT / 8; j += 2) {
-          uint32_t bf[4];
-          m2::ldsm_x4_t(bf, xs + (kb * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * XR + (j + lane / 16) * 8);
-          m2::Mma<T>::run(acc[j], sa, bf[0], bf[1]);
-          m2::Mma<T>::run(acc[j + 1], sa, bf[2], bf[3]);
-        }
-      }
-      // + D·x, · silu(z), store.
-#pragma unroll
-      for (int j = 0; j < PT / 8; ++j) {
-        const int p = j * 8 + tc;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int t = r == 0 ? t_lo : t_hi;
-          if (t >= len) continue;
-          float v0 = acc[j][2 * r], v1 = acc[j][2 * r + 1];
-          if (dskip) {
-            const float2 xv = load_pair<T>(xs + t * XR + p);
-            const float d0 = D.d_per_channel ? dskip[h * P + p0 + p] : dskip[h];
-            const float d1 = D.d_per_channel ? dskip[h * P + p0 + p + 1] : dskip[h];
-            v0 += d0 * xv.x;
-            v1 += d1 * xv.y;
-          }
-          const size_t o = (tok0 + t) * hp + static_cast<size_t>(h) * P + p0 + p;
-          if (z) {
-            const float2 zv = load_pair<T>(z + o);
-            v0 *= m2::silu(zv.x);
-            v1 *= m2::silu(zv.y);
-          }
-          m2::store2<T>(y + o, v0, v1);
-        }
+      for (int j = 0; j < NJ; j += 2) {
+        uint32_t bf[4];
+        m2::ldsm_x4(bf, hs + ((j + lane / 16) * 8 + (lane % 8)) * NR + ks * 16 + ((lane / 8) % 2) * 8);
+        m2::Mma<T>::run(acc[j], cf[ks], bf[0], bf[1]);
+        m2::Mma<T>::run(acc[j + 1], cf[ks], bf[2], bf[3]);
       }
     }
-    __syncthreads();  // this buffer is free for unit u + 2
+    const float d_lo = ds[t_lo], d_hi = ds[t_hi], d_r0 = ds[r0];
+    const float y_lo = m2::exp2_fast(d_lo), y_hi = m2::exp2_fast(d_hi);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      acc[j][0] *= y_lo;
+      acc[j][1] *= y_lo;
+      acc[j][2] *= y_hi;
+      acc[j][3] *= y_hi;
+    }
+    // Y += (C·Bᵀ ∘ decay·dt ∘ causal)·X over the column blocks kb ≤ rb.
+    const float e_lo = es[t_lo], e_hi = es[t_hi];
+    for (int kb = 0; kb <= warp; ++kb) {
+      const uint4 raw = cbw[kb * 32];
+      const uint32_t cb[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t sa[4];
+      if (kb < warp) {
+        const float blk = m2::exp2_fast(d_r0 - ds[kb * 16 + 15]);
+        const float f_lo = e_lo * blk, f_hi = e_hi * blk;
+#pragma unroll
+        for (int v = 0; v < 2; ++v) {
+          const float2 w = *reinterpret_cast<const float2*>(ws + kb * 16 + v * 8 + tc);
+          const float2 lo = unpack<T>(cb[v * 2]), hi = unpack<T>(cb[v * 2 + 1]);
+          sa[v * 2] = m2::Mma<T>::pack(lo.x * w.x * f_lo, lo.y * w.y * f_lo);
+          sa[v * 2 + 1] = m2::Mma<T>::pack(hi.x * w.x * f_hi, hi.y * w.y * f_hi);
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < 2; ++v) {
+          const int s0 = kb * 16 + v * 8 + tc;
+          const float2 w = *reinterpret_cast<const float2*>(dts + s0);
+          const float2 q = *reinterpret_cast<const float2*>(ds + s0);
+          const float2 lo = unpack<T>(cb[v * 2]), hi = unpack<T>(cb[v * 2 + 1]);
+          const bool live_lo = t_lo < len, live_hi = t_hi < len;
+          const float v0 = live_lo && s0 <= t_lo ? lo.x * m2::exp2_fast(d_lo - q.x) * w.x : 0.f;
+          const float v1 = live_lo && s0 + 1 <= t_lo ? lo.y * m2::exp2_fast(d_lo - q.y) * w.y : 0.f;
+          const float v2 = live_hi && s0 <= t_hi ? hi.x * m2::exp2_fast(d_hi - q.x) * w.x : 0.f;
+          const float v3 = live_hi && s0 + 1 <= t_hi ? hi.y * m2::exp2_fast(d_hi - q.y) * w.y : 0.f;
+          sa[v * 2] = m2::Mma<T>::pack(v0, v1);
+          sa[v * 2 + 1] = m2::Mma<T>::pack(v2, v3);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; j += 2) {
+        uint32_t bf[4];
+        m2::ldsm_x4_t(bf, xs + (kb * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * XR + (j + lane / 16) * 8);
+        m2::Mma<T>::run(acc[j], sa, bf[0], bf[1]);
+        m2::Mma<T>::run(acc[j + 1], sa, bf[2], bf[3]);
+      }
+    }
+    // + D·x, · silu(z), store (rows past the sequence are not stored).
+    const size_t col = static_cast<size_t>(h) * P + p0 + tc;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int t = r == 0 ? t_lo : t_hi;
+      if (t >= len) continue;
+      const size_t o = (tok0 + t) * hp + col;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        float v0 = acc[j][2 * r], v1 = acc[j][2 * r + 1];
+        if (dskip) {
+          const float2 xv = load_pair<T>(xs + t * XR + j * 8 + tc);
+          const int dp = D.d_per_channel ? P * h + p0 + j * 8 + tc : -1;
+          const float d0 = dp >= 0 ? dskip[dp] : dskip[h];
+          const float d1 = dp >= 0 ? dskip[dp + 1] : dskip[h];
+          v0 += d0 * xv.x;
+          v1 += d1 * xv.y;
+        }
+        if (z) {
+          const float2 zv = load_pair<T>(z + o + j * 8);
+          v0 *= m2::silu(zv.x);
+          v1 *= m2::silu(zv.y);
+        }
+        m2::store2<T>(y + o + j * 8, v0, v1);
+      }
+    }
   }
 }
 
@@ -362,17 +346,23 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
   const T *x, const T *b, const T *c, const float *dt, const float *da, const S *states,     \
       const float *dskip, const T *z, T *y, Dims d
 
-#define CO_MMA(T, TN, S, SN, PT)                                                       \
-  extern "C" __global__ void __launch_bounds__(256)                                    \
-      compute_out_mma_##TN##_##SN##_p##PT(CO_ARGS(T, S)) {                            \
+// One warp per 16 rows of a chunk of at most 256 tokens: at most 512 threads, 128 registers.
+#define CO_MMA(T, TN, S, SN, N, PT)                                                    \
+  extern "C" __global__ void __launch_bounds__(512)                                    \
+      compute_out_mma_##TN##_##SN##_n##N##_p##PT(CO_ARGS(T, S)) {                     \
     m2::wait_prior_grid();                                                            \
-    compute_out_mma<T, S, PT>(x, b, c, dt, da, states, dskip, z, y, d);               \
+    compute_out_mma<T, S, N, PT>(x, b, c, dt, da, states, dskip, z, y, d);            \
   }
-#define CO_MMA_PT(T, TN, S, SN) CO_MMA(T, TN, S, SN, 32) CO_MMA(T, TN, S, SN, 64)
-CO_MMA_PT(__nv_bfloat16, bf16, float, f32)
-CO_MMA_PT(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
-CO_MMA_PT(__half, f16, float, f32)
-CO_MMA_PT(__half, f16, __nv_bfloat16, bf16)
+#define CO_MMA_SHAPES(T, TN, S, SN)                                                   \
+  CO_MMA(T, TN, S, SN, 16, 32) CO_MMA(T, TN, S, SN, 16, 64)                           \
+  CO_MMA(T, TN, S, SN, 32, 32) CO_MMA(T, TN, S, SN, 32, 64)                           \
+  CO_MMA(T, TN, S, SN, 64, 32) CO_MMA(T, TN, S, SN, 64, 64)                           \
+  CO_MMA(T, TN, S, SN, 128, 32) CO_MMA(T, TN, S, SN, 128, 64)                         \
+  CO_MMA(T, TN, S, SN, 256, 32)
+CO_MMA_SHAPES(__nv_bfloat16, bf16, float, f32)
+CO_MMA_SHAPES(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
+CO_MMA_SHAPES(__half, f16, float, f32)
+CO_MMA_SHAPES(__half, f16, __nv_bfloat16, bf16)
 
 #define CO_SIMT(T, TN, S, SN)                                                     \
   extern "C" __global__ void compute_out_simt_##TN##_##SN(CO_ARGS(T, S)) {        \

@@ -248,45 +248,41 @@ pub(crate) fn compute_out(
     );
     let mma = matches!(x_s.dtype(), DType::BF16 | DType::F16)
         && d.headdim % 32 == 0
-        && d.dstate % 16 == 0
-        && chunk % 32 == 0
-        && chunk >= 64;
+        && matches!(d.dstate, 16 | 32 | 64 | 128 | 256)
+        && chunk % 16 == 0
+        && (16..=256).contains(&chunk);
+    let ptile = if d.headdim % 64 == 0 && d.dstate <= 128 {
+        64
+    } else {
+        32
+    };
     let limit = max_smem(&stream)?;
-    // Programs resident per SM: the opt-in limit plus the 1 KiB reserved per program is the
-    // SM's shared memory; at most 2048 threads.
-    let resident = |smem: usize| ((limit + 1024) / (smem + 1024)).min(2048 / chunk);
-    // The P-tile that fits and keeps the most warps resident per SM, the larger on a tie; the
-    // larger outright for N ≤ 64 or when (batch, chunk, head) units are few (< 4 per SM), where
-    // halving the C·hᵀ and C·Bᵀ passes per head beats occupancy (H200: N=64 L=16384 125 vs 149
-    // µs, B=1 H=24 L=2048 29 vs 32; at B=1 H=80 L=2048 and N=128 the smaller tile wins, 64 vs 74).
     let sms = sm_count(&stream)?;
-    let wide = d.dstate <= 64 || nchunks * d.batch * d.nheads < 4 * sms;
-    let best = [64, 32]
-        .into_iter()
-        .filter(|pt| d.headdim % pt == 0)
-        .map(|pt| (pt, mma_smem(chunk, d.dstate, pt)))
-        .filter(|&(_, smem)| smem <= limit)
-        .max_by_key(|&(pt, smem)| {
-            if wide {
-                (pt, resident(smem))
-            } else {
-                (resident(smem), pt)
-            }
-        });
-    if let (true, Some((ptile, smem))) = (mma, best) {
-        let slots = sms * resident(smem);
-        let hb = heads_per_block(nchunks * d.batch * d.nheads, d.heads_per_group(), slots);
+    let plan = mma
+        .then(|| {
+            out_plan(
+                nchunks * d.batch * d.nheads,
+                d.heads_per_group(),
+                sms,
+                limit,
+                |hb| mma_smem(chunk, d.dstate, ptile, hb),
+                2 * chunk,
+            )
+        })
+        .flatten();
+    if let Some((hb, smem)) = plan {
         kd.heads_per_block = i(hb)?;
+        let n = d.dstate;
         let f = function(
             &stream,
             COMPUTE_OUT,
-            &format!("compute_out_mma_{t}_{s}_p{ptile}"),
+            &format!("compute_out_mma_{t}_{s}_n{n}_p{ptile}"),
         )?;
         let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
         launch(
             &stream,
             &f,
-            cfg(grid, (chunk as u32, 1, 1), smem),
+            cfg(grid, (2 * chunk as u32, 1, 1), smem),
             &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
         )?;
         return Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))));
@@ -302,25 +298,41 @@ pub(crate) fn compute_out(
     Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
 }
 
-/// Shared memory of `compute_out_mma` in bytes (its `Layout`, 2-byte values): c, C·Bᵀ in
-/// 16×16 blocks at or below the diagonal, and two unit buffers (x tile, state tile, four f32
-/// scalars per token) that also hold b at the start.
-fn mma_smem(chunk: usize, dstate: usize, ptile: usize) -> usize {
+/// Shared memory of `compute_out_mma` in bytes (its `Layout`, 2-byte values): C·Bᵀ in 16×16
+/// blocks at or below the diagonal, four f32 scalars per token and head, and a region holding c
+/// and b at the start, then two unit buffers (x tile and state tile).
+fn mma_smem(chunk: usize, dstate: usize, ptile: usize, hb: usize) -> usize {
     let rblocks = chunk / 16;
-    let tile = chunk * (dstate + 8) * 2;
-    let buf = chunk * (ptile + 8) * 2 + ptile * (dstate + 8) * 2 + 16 * chunk;
-    tile + rblocks * (rblocks + 1) / 2 * 512 + (2 * buf).max(tile)
+    let cb = rblocks * (rblocks + 1) / 2 * 512;
+    let scalars = hb * 4 * chunk * 4;
+    let cb_tiles = 2 * chunk * (dstate + 8) * 2;
+    let buffers = 2 * (chunk * (ptile + 8) + ptile * (dstate + 8)) * 2;
+    cb + scalars + cb_tiles.max(buffers)
 }
 
-/// Heads per program for `compute_out_mma`: a divisor of the heads per group, chosen by waves of
-/// `slots` resident programs times each program's work (its heads plus the shared c/b load and
-/// C·Bᵀ, worth about 0.7 of a head).
-fn heads_per_block(head_chunks: usize, heads_per_group: usize, slots: usize) -> usize {
-    let cost = |hb: usize| head_chunks.div_ceil(hb).div_ceil(slots.max(1)) * (10 * hb + 7);
-    (1..=heads_per_group)
+/// Heads per program for `compute_out_mma` (`threads` per program) and its shared bytes: a
+/// divisor (≤ 8) of the heads per group whose shared memory fits, chosen by waves of resident programs times each
+/// program's work (its heads plus the shared c/b load and C·Bᵀ, worth about 0.7 of a head).
+fn out_plan(
+    head_chunks: usize,
+    heads_per_group: usize,
+    sms: usize,
+    limit: usize,
+    smem: impl Fn(usize) -> usize,
+    threads: usize,
+) -> Option<(usize, usize)> {
+    // Programs resident per SM: the opt-in limit plus the 1 KiB reserved per program is the
+    // SM's shared memory; 64 Ki registers, up to 128 per thread.
+    let resident = |bytes: usize| ((limit + 1024) / (bytes + 1024)).min(65536 / (threads * 128));
+    (1..=heads_per_group.min(8))
         .filter(|hb| heads_per_group % hb == 0)
-        .min_by_key(|&hb| (cost(hb), usize::MAX - hb))
-        .unwrap_or(1)
+        .map(|hb| (hb, smem(hb)))
+        .filter(|&(_, bytes)| bytes <= limit)
+        .min_by_key(|&(hb, bytes)| {
+            let slots = (sms * resident(bytes)).max(1);
+            let cost = head_chunks.div_ceil(hb).div_ceil(slots) * (10 * hb + 7);
+            (cost, usize::MAX - hb)
+        })
 }
 
 /// The dimensions as the step kernel reads them.
