@@ -46,6 +46,9 @@ struct Args {
     /// Timed runs per CUDA measurement.
     #[arg(long, default_value_t = 200)]
     gpu_reps: usize,
+    /// Only the CUDA shapes whose name contains this (and no decode step).
+    #[arg(long)]
+    only: Option<String>,
 }
 
 /// Median wall time in milliseconds of `reps` runs after one warm-up run.
@@ -441,7 +444,12 @@ mod gpu {
         println!("bench_ssd cuda: P=64 G=1 chunk=128 bf16 values, bf16 chunk states; GPU µs = median of {} event-timed runs; graph = per call in a replayed graph of {GRAPH_CALLS} calls; call µs = one host call, synchronised", args.gpu_reps);
         println!("| shape | chunk_cumsum | fwd_pass_state | compute_out | stages sum | ssd GPU | ssd graph | ssd call | state GB/s | out GB/s |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
-        for sh in &shapes {
+        let picked = |sh: &&Shape| {
+            args.only
+                .as_ref()
+                .is_none_or(|o| sh.name.contains(o.as_str()))
+        };
+        for sh in shapes.iter().filter(picked) {
             let (bsz, l, h, n) = (sh.batch, sh.seqlen, sh.nheads, sh.dstate);
             let sets: Vec<Set> = (0..3)
                 .map(|_| -> Result<Set> {
@@ -542,6 +550,9 @@ mod gpu {
             );
         }
 
+        if args.only.is_some() {
+            return Ok(());
+        }
         println!();
         println!("| decode step (H=80 P=64 N=128, bf16 values) | state | GPU µs | graph µs | call µs | GB/s (state read+write, graph) |");
         println!("|---|---|---|---|---|---|");
