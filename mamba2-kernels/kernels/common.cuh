@@ -65,6 +65,18 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
   int n = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 }
+// Rows [0, rows) of a tile of COLS values (global row stride `stride` elements) into shared memory
+// (row stride `dst_stride`) by 16-byte cp.async from `threads` threads (a multiple of COLS / 8);
+// rows from `len` on are zero-filled.
+template <int COLS, typename T>
+__device__ __forceinline__ void load_rows(T* dst, int dst_stride, const T* src, size_t stride,
+                                          int rows, int len, int tid, int threads) {
+  constexpr int Q = COLS / 8;
+  const int q = (tid % Q) * 8, step = threads / Q;
+  const T* p = src + q + static_cast<size_t>(tid / Q) * stride;
+  for (int r = tid / Q; r < rows; r += step, p += step * stride)
+    cp_async16(dst + r * dst_stride + q, r < len ? p : src, r < len);
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

@@ -69,9 +69,10 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
 
 // One chunk's own contribution to the state, local_c = Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ,
 // written to slot c + 1 of `states` (state_scan turns the slots into entry states in place).
-// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async, xᵀ·b is
-// an m16n8k16 chain with ldmatrix.trans for both operands and w_s = exp2(d_last − d_s)·dt_s
-// applied to x's fragments in registers; the tile leaves through shared memory as 16-byte rows.
+// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async (one
+// pointer walk per thread), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
+// w_s = exp2(d_last − d_s)·dt_s applied to x's fragments in registers; the tile leaves through
+// shared memory as 16-byte rows.
 template <typename T, typename S, int WARPS, int NT>
 __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const float* __restrict__ dt, const float* __restrict__ da,
@@ -93,20 +94,11 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
   const int l0 = c * chunk, len = min(chunk, D.seqlen - l0);
 
-  for (int i = tid; i < chunk * (PT / 8); i += THREADS) {
-    const int r = i / (PT / 8), q = i % (PT / 8);
-    const bool ok = r < len;
-    const T* src = x + (static_cast<size_t>(b) * D.seqlen + l0 + (ok ? r : 0)) * hp +
-                   static_cast<size_t>(h) * D.headdim + p0 + q * 8;
-    m2::cp_async16(xs + r * XR + q * 8, src, ok);
-  }
-  for (int i = tid; i < chunk * (NT / 8); i += THREADS) {
-    const int r = i / (NT / 8), q = i % (NT / 8);
-    const bool ok = r < len;
-    const T* src = bm + (static_cast<size_t>(b) * D.seqlen + l0 + (ok ? r : 0)) * gn +
-                   static_cast<size_t>(g) * D.dstate + n0 + q * 8;
-    m2::cp_async16(bs + r * BR + q * 8, src, ok);
-  }
+  const size_t tok0 = static_cast<size_t>(b) * D.seqlen + l0;
+  m2::load_rows<PT>(xs, XR, x + tok0 * hp + static_cast<size_t>(h) * D.headdim + p0, hp, chunk, len,
+                    tid, THREADS);
+  m2::load_rows<NT>(bs, BR, bm + tok0 * gn + static_cast<size_t>(g) * D.dstate + n0, gn, chunk, len,
+                    tid, THREADS);
   m2::cp_async_commit();
   const float d_last = da[row + l0 + len - 1];
   for (int i = tid; i < chunk; i += THREADS)
