@@ -114,13 +114,9 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   {
     T* cs = region;
     T* bs = region + chunk * NR;
-    for (int i = tid; i < chunk * (N / 8); i += threads) {
-      const int r = i / (N / 8), q = (i % (N / 8)) * 8;
-      const bool ok = r < len;
-      const size_t src = (tok0 + (ok ? r : 0)) * gn + static_cast<size_t>(g) * N + q;
-      m2::cp_async16(cs + r * NR + q, cm + src, ok);
-      m2::cp_async16(bs + r * NR + q, bm + src, ok);
-    }
+    const size_t at = tok0 * gn + static_cast<size_t>(g) * N;
+    m2::load_rows<N>(cs, NR, cm + at, gn, chunk, len, tid, threads);
+    m2::load_rows<N>(bs, NR, bm + at, gn, chunk, len, tid, threads);
     for (int i = tid; i < HB * chunk; i += threads) {
       const int hh = i / chunk, t = i % chunk;
       const bool ok = t < len;
@@ -260,30 +256,30 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
         m2::Mma<T>::run(acc[j + 1], sa, bf[2], bf[3]);
       }
     }
-    // + D·x, · silu(z), store (rows past the sequence are not stored).
-    const size_t col = static_cast<size_t>(h) * P + p0 + tc;
+    // + D·x, · silu(z), store (rows past the sequence are not stored). D per head, or per
+    // channel (then read per column pair).
+    const float d_head = dskip && !D.d_per_channel ? dskip[h] : 0.f;
+    const float* d_cols = dskip && D.d_per_channel ? dskip + h * P + p0 + tc : nullptr;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int t = r == 0 ? t_lo : t_hi;
       if (t >= len) continue;
-      const size_t o = (tok0 + t) * hp + col;
+      const size_t o = (tok0 + t) * hp + static_cast<size_t>(h) * P + p0 + tc;
+      T* yr = y + o;
+      const T* zr = z ? z + o : nullptr;
+      const T* xr = xs + t * XR + tc;
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        float v0 = acc[j][2 * r], v1 = acc[j][2 * r + 1];
-        if (dskip) {
-          const float2 xv = load_pair<T>(xs + t * XR + j * 8 + tc);
-          const int dp = D.d_per_channel ? P * h + p0 + j * 8 + tc : -1;
-          const float d0 = dp >= 0 ? dskip[dp] : dskip[h];
-          const float d1 = dp >= 0 ? dskip[dp + 1] : dskip[h];
-          v0 += d0 * xv.x;
-          v1 += d1 * xv.y;
-        }
-        if (z) {
-          const float2 zv = load_pair<T>(z + o + j * 8);
+        const float2 xv = load_pair<T>(xr + j * 8);
+        const float2 dd = d_cols ? *reinterpret_cast<const float2*>(d_cols + j * 8)
+                                 : make_float2(d_head, d_head);
+        float v0 = acc[j][2 * r] + dd.x * xv.x, v1 = acc[j][2 * r + 1] + dd.y * xv.y;
+        if (zr) {
+          const float2 zv = load_pair<T>(zr + j * 8);
           v0 *= m2::silu(zv.x);
           v1 *= m2::silu(zv.y);
         }
-        m2::store2<T>(y + o + j * 8, v0, v1);
+        m2::store2<T>(yr + j * 8, v0, v1);
       }
     }
   }
