@@ -166,6 +166,8 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   __syncthreads();  // c and b are dead: the region holds the unit buffers from here
 
   auto buf_of = [&](int u) { return region + (u % 2) * lay.buf_elems; };
+  // The unit loads index each 16-byte piece rather than walk a pointer (m2::load_rows): inside the
+  // unit loop, beside C's fragments, the walk's live pointers made the N=128 kernel spill.
   auto load_unit = [&](int u) {
     T* xs = buf_of(u);
     const int h = h_first + u / ptiles, p0 = (u % ptiles) * PT;
