@@ -312,8 +312,12 @@ fn mma_smem(chunk: usize, dstate: usize, ptile: usize, hb: usize) -> usize {
 }
 
 /// Heads per program for `compute_out_mma` (`threads` per program) and its shared bytes: a
-/// divisor (≤ 8) of the heads per group whose shared memory fits, chosen by waves of resident programs times each
-/// program's work (its heads plus the shared c/b load and C·Bᵀ, worth about 0.7 of a head).
+/// divisor (≤ 8) of the heads per group whose shared memory fits, chosen by the time of the
+/// busiest SM: ⌈programs / SMs⌉ programs, each worth its heads plus the shared c/b load and C·Bᵀ
+/// (about 0.7 of a head), where two programs resident together take 1.6× one alone, not 1×.
+/// Fitted on the H200 (µs for 2 / 3 / 4 / 5 / 8 heads; session 4 runs 5–6): seed L=16384 130 /
+/// – / 113 / – / 106, L=4096 41 / – / 35 / – / 38, 130m layer 22 / 20 / 23 / – / 36, 2.7b layer
+/// 53 / – / 57 / 41 / 53 — the model picks the best of each.
 fn out_plan(
     head_chunks: usize,
     heads_per_group: usize,
@@ -330,9 +334,14 @@ fn out_plan(
         .map(|hb| (hb, smem(hb)))
         .filter(|&(_, bytes)| bytes <= limit)
         .min_by_key(|&(hb, bytes)| {
-            let slots = (sms * resident(bytes)).max(1);
-            let cost = head_chunks.div_ceil(hb).div_ceil(slots) * (10 * hb + 7);
-            (cost, usize::MAX - hb)
+            let per_sm = head_chunks.div_ceil(hb).div_ceil(sms.max(1));
+            // Tenths of one program's time alone.
+            let time = if resident(bytes) >= 2 {
+                16 * (per_sm / 2) + 10 * (per_sm % 2)
+            } else {
+                10 * per_sm
+            };
+            (time * (10 * hb + 7), usize::MAX - hb)
         })
 }
 
