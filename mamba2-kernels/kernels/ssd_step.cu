@@ -60,6 +60,26 @@ __device__ __forceinline__ void finish_row(float acc, float xv, int b, int h, in
   y[static_cast<size_t>(bh) * P + p] = m2::from_f<T>(acc);
 }
 
+// The (batch, head) bh a program serves, this warp's rows of it (p = p_first, p_first + warps, …
+// below p_end) and where its B, C, x and state rows start.
+template <typename T, typename S>
+struct Head {
+  int bh, b, h, lane, warps, p_first, p_end;
+  const T *bg, *cg, *xh;
+  S* sh;
+  __device__ Head(S* state, const T* x, const T* bm, const T* cm, const Dims& D)
+      : bh(blockIdx.x), b(bh / D.nheads), h(bh % D.nheads), lane(threadIdx.x % 32),
+        warps(blockDim.x / 32),
+        p_first(static_cast<int>(blockIdx.y) * D.rows_per_block + static_cast<int>(threadIdx.x) / 32),
+        p_end(min(D.headdim, (static_cast<int>(blockIdx.y) + 1) * D.rows_per_block)) {
+    const int g = h / (D.nheads / D.ngroups), N = D.dstate, P = D.headdim;
+    bg = bm + b * D.b_stride + static_cast<size_t>(g) * N;
+    cg = cm + b * D.c_stride + static_cast<size_t>(g) * N;
+    xh = x + b * D.x_stride + static_cast<size_t>(h) * P;
+    sh = state + static_cast<size_t>(bh) * P * N;
+  }
+};
+
 // The vectorised path keeps a lane's KV groups of 4 columns (N ≤ 128·KV) in registers: every
 // load of a row (state, B, C, x, dt) is issued before the first one is used, so a program's
 // latency is one memory round trip, not a chain of them.
@@ -69,34 +89,27 @@ __device__ void ssd_step_vec(S* __restrict__ state, const T* __restrict__ x,
                              const float* __restrict__ bias, const T* __restrict__ bm,
                              const T* __restrict__ cm, const float* __restrict__ dskip,
                              const T* __restrict__ z, T* __restrict__ y, Dims D) {
-  const int bh = blockIdx.x, b = bh / D.nheads, h = bh % D.nheads;
-  const int g = h / (D.nheads / D.ngroups);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const int N = D.dstate, P = D.headdim;
-  const T* bg = bm + b * D.b_stride + static_cast<size_t>(g) * N;
-  const T* cg = cm + b * D.c_stride + static_cast<size_t>(g) * N;
-  const T* xh = x + b * D.x_stride + static_cast<size_t>(h) * P;
-  S* sh = state + static_cast<size_t>(bh) * P * N;
+  const Head<T, S> r(state, x, bm, cm, D);
+  const int N = D.dstate, lane = r.lane, h = r.h;
   float4 bv[KV], cv[KV];
 #pragma unroll
   for (int k = 0; k < KV; ++k) {
     const int n = lane * 4 + k * 128;
     if (n < N) {
-      bv[k] = Vec4<T>::load(bg + n);
-      cv[k] = Vec4<T>::load(cg + n);
+      bv[k] = Vec4<T>::load(r.bg + n);
+      cv[k] = Vec4<T>::load(r.cg + n);
     }
   }
-  const float raw_dt = m2::to_f(dt[b * D.dt_stride + h]);
-  const int p_end = min(P, (static_cast<int>(blockIdx.y) + 1) * D.rows_per_block);
-  for (int p = blockIdx.y * D.rows_per_block + warp; p < p_end; p += warps) {
-    S* row = sh + static_cast<size_t>(p) * N;
+  const float raw_dt = m2::to_f(dt[r.b * D.dt_stride + h]);
+  for (int p = r.p_first; p < r.p_end; p += r.warps) {
+    S* row = r.sh + static_cast<size_t>(p) * N;
     float4 sv[KV];
 #pragma unroll
     for (int k = 0; k < KV; ++k) {
       const int n = lane * 4 + k * 128;
       if (n < N) sv[k] = Vec4<S>::load(row + n);
     }
-    const float xv = m2::to_f(xh[p]);
+    const float xv = m2::to_f(r.xh[p]);
     const float step = m2::process_dt(raw_dt, bias ? bias[h] : 0.f, D.softplus, D.lo, D.hi);
     const float decay = __expf(a[h] * step), dx = step * xv;
     float acc = 0.f;
@@ -113,7 +126,7 @@ __device__ void ssd_step_vec(S* __restrict__ state, const T* __restrict__ x,
         acc += s.x * cv[k].x + s.y * cv[k].y + s.z * cv[k].z + s.w * cv[k].w;
       }
     }
-    finish_row<T>(m2::warp_sum(acc), xv, b, h, bh, p, lane, dskip, z, y, D);
+    finish_row<T>(m2::warp_sum(acc), xv, r.b, h, r.bh, p, lane, dskip, z, y, D);
   }
 }
 
@@ -124,29 +137,22 @@ __device__ void ssd_step_scalar(S* __restrict__ state, const T* __restrict__ x,
                                 const float* __restrict__ bias, const T* __restrict__ bm,
                                 const T* __restrict__ cm, const float* __restrict__ dskip,
                                 const T* __restrict__ z, T* __restrict__ y, Dims D) {
-  const int bh = blockIdx.x, b = bh / D.nheads, h = bh % D.nheads;
-  const int g = h / (D.nheads / D.ngroups);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  const int N = D.dstate, P = D.headdim;
-  const float step = m2::process_dt(m2::to_f(dt[b * D.dt_stride + h]), bias ? bias[h] : 0.f,
+  const Head<T, S> r(state, x, bm, cm, D);
+  const int N = D.dstate, h = r.h;
+  const float step = m2::process_dt(m2::to_f(dt[r.b * D.dt_stride + h]), bias ? bias[h] : 0.f,
                                     D.softplus, D.lo, D.hi);
   const float decay = __expf(a[h] * step);
-  const T* bg = bm + b * D.b_stride + static_cast<size_t>(g) * N;
-  const T* cg = cm + b * D.c_stride + static_cast<size_t>(g) * N;
-  const T* xh = x + b * D.x_stride + static_cast<size_t>(h) * P;
-  S* sh = state + static_cast<size_t>(bh) * P * N;
-  const int p_end = min(P, (static_cast<int>(blockIdx.y) + 1) * D.rows_per_block);
-  for (int p = blockIdx.y * D.rows_per_block + warp; p < p_end; p += warps) {
-    const float xv = m2::to_f(xh[p]);
+  for (int p = r.p_first; p < r.p_end; p += r.warps) {
+    const float xv = m2::to_f(r.xh[p]);
     const float dx = step * xv;
-    S* row = sh + static_cast<size_t>(p) * N;
+    S* row = r.sh + static_cast<size_t>(p) * N;
     float acc = 0.f;
-    for (int n = lane; n < N; n += 32) {
-      const float s = m2::to_f(row[n]) * decay + dx * m2::to_f(bg[n]);
+    for (int n = r.lane; n < N; n += 32) {
+      const float s = m2::to_f(row[n]) * decay + dx * m2::to_f(r.bg[n]);
       row[n] = m2::from_f<S>(s);
-      acc += s * m2::to_f(cg[n]);
+      acc += s * m2::to_f(r.cg[n]);
     }
-    finish_row<T>(m2::warp_sum(acc), xv, b, h, bh, p, lane, dskip, z, y, D);
+    finish_row<T>(m2::warp_sum(acc), xv, r.b, h, r.bh, p, r.lane, dskip, z, y, D);
   }
 }
 
