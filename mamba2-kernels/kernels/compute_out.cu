@@ -71,16 +71,16 @@ __device__ __forceinline__ float2 unpack(uint32_t v) {
 }
 
 // Shared memory of compute_out_mma in bytes (the launcher's `mma_smem` computes the same):
-// cb [W(W+1)/2 blocks][32 lanes] uint4 | sc [HB][4][chunk] f32 (d, dt, ws, es) | a region that
-// holds c [chunk][N+PAD] and b [chunk][N+PAD] first, then two unit buffers, each
-// x [chunk][PT+PAD] and the state tile [PT][N+PAD].
+// cb [W(W+1)/2 blocks][32 lanes] uint4 | sc [HB][4][chunk] f32 (d, dt, ws, es) | dk [HB][P] f32
+// (D per channel, 0 without D) | a region that holds c [chunk][N+PAD] and b [chunk][N+PAD]
+// first, then two unit buffers, each x [chunk][PT+PAD] and the state tile [PT][N+PAD].
 template <int N, int PT>
 struct Layout {
   static constexpr int NR = N + PAD, XR = PT + PAD;
-  int cb_bytes, sc_bytes, buf_elems;
-  __device__ Layout(int chunk, int hb)
+  int cb_bytes, sc_bytes, dk_bytes, buf_elems;
+  __device__ Layout(int chunk, int hb, int p)
       : cb_bytes((chunk / 16) * (chunk / 16 + 1) / 2 * 512), sc_bytes(hb * 4 * chunk * 4),
-        buf_elems(chunk * XR + PT * NR) {}
+        dk_bytes(hb * p * 4), buf_elems(chunk * XR + PT * NR) {}
 };
 
 template <typename T, typename S, int N, int PT>
@@ -92,10 +92,11 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   constexpr int NR = Layout<N, PT>::NR, XR = Layout<N, PT>::XR, KS = N / 16, NJ = PT / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int chunk = D.chunk, P = D.headdim, HB = D.heads_per_block;
-  const Layout<N, PT> lay(chunk, HB);
+  const Layout<N, PT> lay(chunk, HB, P);
   uint4* cbs = reinterpret_cast<uint4*>(smem_raw);
   float* sc = reinterpret_cast<float*>(smem_raw + lay.cb_bytes);
-  T* region = reinterpret_cast<T*>(smem_raw + lay.cb_bytes + lay.sc_bytes);
+  float* dk = reinterpret_cast<float*>(smem_raw + lay.cb_bytes + lay.sc_bytes);
+  T* region = reinterpret_cast<T*>(smem_raw + lay.cb_bytes + lay.sc_bytes + lay.dk_bytes);
 
   const int c = blockIdx.x, b = blockIdx.z;
   const int h_first = blockIdx.y * HB;
@@ -123,6 +124,11 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
       const size_t at = (static_cast<size_t>(b) * D.nheads + h_first + hh) * D.seqlen + l0 + (ok ? t : 0);
       m2::cp_async4(sc + (hh * 4) * chunk + t, da + at, ok);
       m2::cp_async4(sc + (hh * 4 + 1) * chunk + t, dt + at, ok);
+    }
+    // D of every channel of the program's heads (per head: repeated), 0 without D.
+    for (int i = tid; i < HB * P; i += threads) {
+      const int h = h_first + i / P;
+      m2::cp_async4(dk + i, dskip ? dskip + (D.d_per_channel ? h * P + i % P : h) : da, dskip);
     }
     m2::cp_async_commit();
     m2::cp_async_wait<0>();
@@ -167,11 +173,14 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 
   auto buf_of = [&](int u) { return region + (u % 2) * lay.buf_elems; };
   // The unit loads index each 16-byte piece rather than walk a pointer (m2::load_rows): inside the
-  // unit loop, beside C's fragments, the walk's live pointers made the N=128 kernel spill.
+  // unit loop, beside C's fragments, the walk's live pointers made the N=128 kernel spill. The
+  // last quarter of the warps, whose rows have the most column blocks, issue none.
+  const int loaders = threads - threads / 4;
   auto load_unit = [&](int u) {
+    if (tid >= loaders) return;
     T* xs = buf_of(u);
     const int h = h_first + u / ptiles, p0 = (u % ptiles) * PT;
-    for (int i = tid; i < chunk * (PT / 8); i += threads) {
+    for (int i = tid; i < chunk * (PT / 8); i += loaders) {
       const int r = i / (PT / 8), q = (i % (PT / 8)) * 8;
       const bool ok = r < len;
       m2::cp_async16(xs + r * XR + q, x + (tok0 + (ok ? r : 0)) * hp + h * P + p0 + q, ok);
@@ -179,7 +188,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
     const size_t bh = static_cast<size_t>(b) * D.nheads + h;
     const S* st = states + ((bh * (D.nchunks + 1)) + c) * static_cast<size_t>(P) * N +
                   static_cast<size_t>(p0) * N;
-    load_state_tile<T, S, PT, N>(xs + chunk * XR, st, NR, tid, threads);
+    load_state_tile<T, S, PT, N>(xs + chunk * XR, st, NR, tid, loaders);
     m2::cp_async_commit();
   };
 
@@ -258,10 +267,8 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
         m2::Mma<T>::run(acc[j + 1], sa, bf[2], bf[3]);
       }
     }
-    // + D·x, · silu(z), store (rows past the sequence are not stored). D per head, or per
-    // channel (then read per column pair).
-    const float d_head = dskip && !D.d_per_channel ? dskip[h] : 0.f;
-    const float* d_cols = dskip && D.d_per_channel ? dskip + h * P + p0 + tc : nullptr;
+    // + D·x, · silu(z), store (rows past the sequence are not stored).
+    const float* d_cols = dk + hh * P + p0 + tc;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int t = r == 0 ? t_lo : t_hi;
@@ -273,8 +280,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const float2 xv = load_pair<T>(xr + j * 8);
-        const float2 dd = d_cols ? *reinterpret_cast<const float2*>(d_cols + j * 8)
-                                 : make_float2(d_head, d_head);
+        const float2 dd = *reinterpret_cast<const float2*>(d_cols + j * 8);
         float v0 = acc[j][2 * r] + dd.x * xv.x, v1 = acc[j][2 * r + 1] + dd.y * xv.y;
         if (zr) {
           const float2 zv = load_pair<T>(zr + j * 8);

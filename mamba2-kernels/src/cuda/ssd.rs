@@ -247,7 +247,10 @@ pub(crate) fn compute_out(
         dtype_name(name, x_s.dtype())?,
         dtype_name(name, st_s.dtype())?,
     );
+    // 16-byte aligned x, b, c, z and states for the tile copies.
+    let aligned = [x_p, b_p, c_p, st_p, z_p].iter().all(|p| p % 16 == 0);
     let mma = matches!(x_s.dtype(), DType::BF16 | DType::F16)
+        && aligned
         && d.headdim % 32 == 0
         && matches!(d.dstate, 16 | 32 | 64 | 128 | 256)
         && chunk % 16 == 0
@@ -266,7 +269,7 @@ pub(crate) fn compute_out(
                 d.heads_per_group(),
                 sms,
                 limit,
-                |hb| mma_smem(chunk, d.dstate, ptile, hb),
+                |hb| mma_smem(chunk, d.headdim, d.dstate, ptile, hb),
                 2 * chunk,
             )
         })
@@ -300,12 +303,12 @@ pub(crate) fn compute_out(
 }
 
 /// Shared memory of `compute_out_mma` in bytes (its `Layout`, 2-byte values): C·Bᵀ in 16×16
-/// blocks at or below the diagonal, four f32 scalars per token and head, and a region holding c
-/// and b at the start, then two unit buffers (x tile and state tile).
-fn mma_smem(chunk: usize, dstate: usize, ptile: usize, hb: usize) -> usize {
+/// blocks at or below the diagonal, four f32 scalars per token and head, D per channel of each
+/// head, and a region holding c and b at the start, then two unit buffers (x tile and state tile).
+fn mma_smem(chunk: usize, headdim: usize, dstate: usize, ptile: usize, hb: usize) -> usize {
     let rblocks = chunk / 16;
     let cb = rblocks * (rblocks + 1) / 2 * 512;
-    let scalars = hb * 4 * chunk * 4;
+    let scalars = hb * 4 * chunk * 4 + hb * headdim * 4;
     let cb_tiles = 2 * chunk * (dstate + 8) * 2;
     let buffers = 2 * (chunk * (ptile + 8) + ptile * (dstate + 8)) * 2;
     cb + scalars + cb_tiles.max(buffers)
