@@ -173,9 +173,9 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 
   auto buf_of = [&](int u) { return region + (u % 2) * lay.buf_elems; };
   // The unit loads index each 16-byte piece rather than walk a pointer (m2::load_rows): inside the
-  // unit loop, beside C's fragments, the walk's live pointers made the N=128 kernel spill. The
-  // last quarter of the warps, whose rows have the most column blocks, issue none.
-  const int loaders = threads - threads / 4;
+  // unit loop, beside C's fragments, the walk's live pointers made the N=128 kernel spill. Only
+  // the first half of the warps (the rows with the fewest column blocks) issue them.
+  const int loaders = threads / 2;
   auto load_unit = [&](int u) {
     if (tid >= loaders) return;
     T* xs = buf_of(u);

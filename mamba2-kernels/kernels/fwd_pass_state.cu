@@ -17,6 +17,7 @@ struct Dims {
 };
 
 constexpr int PAD = 8;  // elements of padding per shared row: conflict-free ldmatrix and staging
+constexpr int MAXC = 512;  // the longest chunk chunk_state_mma takes
 
 // Elementwise product of two packed pairs of T.
 template <typename T> __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b);
@@ -95,15 +96,37 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   const int l0 = c * chunk, len = min(chunk, D.seqlen - l0);
 
   const size_t tok0 = static_cast<size_t>(b) * D.seqlen + l0;
-  m2::load_rows<PT>(xs, XR, x + tok0 * hp + static_cast<size_t>(h) * D.headdim + p0, hp, chunk, len,
-                    tid, THREADS);
-  m2::load_rows<NT>(bs, BR, bm + tok0 * gn + static_cast<size_t>(g) * D.dstate + n0, gn, chunk, len,
-                    tid, THREADS);
-  m2::cp_async_commit();
+  // The per-token scalars are loaded first, so that their latency overlaps the tile copies
+  // instead of queueing behind them (chunk ≤ MAXC, the launcher's bound).
+  constexpr int PER = MAXC / THREADS;
   const float d_last = da[row + l0 + len - 1];
-  for (int i = tid; i < chunk; i += THREADS)
-    ws[i] = m2::from_f<T>(i < len ? m2::exp2_fast(d_last - da[row + l0 + i]) * dt[row + l0 + i] : 0.f);
-  m2::cp_async_wait<0>();
+  float dv[PER], tv[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = tid + k * THREADS;
+    dv[k] = i < len ? da[row + l0 + i] : 0.f;
+    tv[k] = i < len ? dt[row + l0 + i] : 0.f;
+  }
+  // The tiles arrive in two halves of the chunk (two cp.async groups): the MMAs on the first
+  // half run while the second is in flight.
+  const int half = chunk / 32 * 16;
+  const T* xg = x + tok0 * hp + static_cast<size_t>(h) * D.headdim + p0;
+  const T* bg = bm + tok0 * gn + static_cast<size_t>(g) * D.dstate + n0;
+  m2::load_rows<PT>(xs, XR, xg, hp, half, len, tid, THREADS);
+  m2::load_rows<NT>(bs, BR, bg, gn, half, len, tid, THREADS);
+  m2::cp_async_commit();
+  const bool rest = len > half;  // else the second half is all zero-fill (from valid addresses)
+  m2::load_rows<PT>(xs + half * XR, XR, rest ? xg + half * hp : xg, hp, chunk - half, len - half, tid,
+                    THREADS);
+  m2::load_rows<NT>(bs + half * BR, BR, rest ? bg + half * gn : bg, gn, chunk - half, len - half, tid,
+                    THREADS);
+  m2::cp_async_commit();
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int i = tid + k * THREADS;
+    if (i < chunk) ws[i] = m2::from_f<T>(i < len ? m2::exp2_fast(d_last - dv[k]) * tv[k] : 0.f);
+  }
+  m2::cp_async_wait<1>();
   __syncthreads();
 
   float acc[NT / 8][4];
@@ -113,6 +136,10 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   const int tc = (lane % 4) * 2;
   for (int k0 = 0; k0 < len; k0 += 16) {
+    if (k0 == half) {
+      m2::cp_async_wait<0>();
+      __syncthreads();
+    }
     // x's fragment holds tokens k0 + tc + {0, 1} (registers 0, 1) and k0 + tc + 8 + {0, 1}
     // (registers 2, 3): w scales them there, in registers.
     uint32_t a[4];
@@ -132,7 +159,9 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
     }
   }
   // The warp's 16 × NT block through shared memory (the x and b tiles' space, free once every warp
-  // is done with them), then out as 16-byte vectors: whole 32-byte sectors of every row.
+  // is done with them and every copy has landed), then out as 16-byte vectors: whole 32-byte
+  // sectors of every row.
+  m2::cp_async_wait<0>();
   __syncthreads();
   constexpr int SR = NT + PAD, V = 16 / sizeof(S);
   S* hs = reinterpret_cast<S*>(smem_raw) + warp * 16 * SR;

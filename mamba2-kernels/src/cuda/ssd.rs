@@ -140,7 +140,8 @@ pub(crate) fn fwd_pass_state(
     let shape = Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate));
     if matches!(x_s.dtype(), DType::BF16 | DType::F16) && chunk % 16 == 0 {
         let max = max_smem(&stream)?;
-        let pair = chunk_state_tile(&d, chunk, op.state_dtype.size_in_bytes(), init_p, max);
+        let ptrs = [x_p, b_p, init_p];
+        let pair = chunk_state_tile(&d, chunk, op.state_dtype.size_in_bytes(), &ptrs, max);
         if let Some((warps, nt, smem)) = pair {
             // Every chunk's own contribution in parallel, then the scan across chunks.
             let f = function(
@@ -186,15 +187,17 @@ pub(crate) fn fwd_pass_state(
 }
 
 /// The launch of `chunk_state_mma` — (warps, N-tile, shared bytes) — if the shape suits it: P a
-/// multiple of 32, N of 16, a 16-byte aligned initial state, and a chunk that fits in shared memory.
+/// multiple of 32, N of 16, 16-byte aligned x, b and initial state (`ptrs`), and a chunk of at
+/// most 512 tokens (the kernel's `MAXC`) that fits in shared memory.
 fn chunk_state_tile(
     d: &SsdDims,
     chunk: usize,
     state_bytes: usize,
-    init_p: u64,
+    ptrs: &[u64],
     max_smem: usize,
 ) -> Option<(usize, usize, usize)> {
-    if d.headdim % 32 != 0 || d.dstate % 16 != 0 || init_p % 16 != 0 {
+    if d.headdim % 32 != 0 || d.dstate % 16 != 0 || ptrs.iter().any(|p| p % 16 != 0) || chunk > 512
+    {
         return None;
     }
     let warps = if d.headdim % 64 == 0 { 4 } else { 2 };
