@@ -1,8 +1,9 @@
 // Stage 2: the state entering every chunk, by the jump formula (d = da_cumsum, log2 space):
 //   h_{c+1} = exp2(d_last)·h_c + Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ        h: [P, N]
 // x [B,L,H,P], b [B,L,G,N] (value type T), dt/da [B,H,L] f32, init [B,H,P,N] and
-// states [B,H,C+1,P,N] in the state type S (f32 or bf16). Two passes for bf16/f16 values on
-// tensor cores, and a SIMT kernel for the rest:
+// states [B,H,C+1,P,N] in the state type S (f32 or bf16); `last` (optional) [B,H,P,N] gets a
+// contiguous copy of slot C, the final state. Two passes for bf16/f16 values on tensor cores, and
+// a SIMT kernel for the rest:
 //
 // chunk_state_mma: every chunk's own contribution Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ, all
 //   chunks in parallel (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1;
@@ -34,7 +35,8 @@ template <> __device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_
 template <typename T, typename S>
 __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict__ bm,
                                     const float* __restrict__ dt, const float* __restrict__ da,
-                                    const S* __restrict__ init, S* __restrict__ states, Dims D) {
+                                    const S* __restrict__ init, S* __restrict__ states,
+                                    S* __restrict__ last, Dims D) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* w = reinterpret_cast<float*>(smem_raw);  // [chunk]
   const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
@@ -66,6 +68,7 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
     }
   }
   if (live) states[(static_cast<size_t>(bh) * (D.nchunks + 1) + D.nchunks) * pn + e] = m2::from_f<S>(state);
+  if (live && last) last[bh * pn + e] = m2::from_f<S>(state);
 }
 
 // One chunk's own contribution to the state, local_c = Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ,
@@ -189,7 +192,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
 // bytes per SM to cover the memory latency with the few threads a (batch, head) gives.
 template <typename S, int PF>
 __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ init,
-                           S* __restrict__ states, Dims D) {
+                           S* __restrict__ states, S* __restrict__ last, Dims D) {
   using V8 = m2::Vec8<S>;
   const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
   const size_t e = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
@@ -229,17 +232,19 @@ __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ i
       V8::store(base + static_cast<size_t>(c + 1) * pn, h);
     }
   }
+  if (last) V8::store(last + static_cast<size_t>(bh) * pn + e, h);
 }
 
 }  // namespace
 
-#define FPS_ARGS(T, S) \
-  const T *x, const T *b, const float *dt, const float *da, const S *init, S *states, Dims d
+#define FPS_ARGS(T, S)                                                                     \
+  const T *x, const T *b, const float *dt, const float *da, const S *init, S *states, S *last, \
+      Dims d
 
 #define FPS_SIMT(T, TN, S, SN)                                                   \
   extern "C" __global__ void fwd_pass_state_simt_##TN##_##SN(FPS_ARGS(T, S)) {   \
     m2::wait_prior_grid();                                                       \
-    fwd_pass_state_simt<T, S>(x, b, dt, da, init, states, d);                    \
+    fwd_pass_state_simt<T, S>(x, b, dt, da, init, states, last, d);              \
   }
 FPS_SIMT(float, f32, float, f32)
 FPS_SIMT(float, f32, __nv_bfloat16, bf16)
@@ -267,9 +272,9 @@ CHUNK_STATE_ALL(__half, f16, __nv_bfloat16, bf16)
 // 128 bytes in flight per thread and chunk ring: 8 chunks of bf16, 4 of f32.
 #define SCAN(S, SN, PF)                                                                      \
   extern "C" __global__ void state_scan_##SN(const float* da, const S* init, S* states,      \
-                                             Dims d) {                                       \
+                                             S* last, Dims d) {                              \
     m2::wait_prior_grid();                                                                   \
-    state_scan<S, PF>(da, init, states, d);                                                  \
+    state_scan<S, PF>(da, init, states, last, d);                                            \
   }
 SCAN(float, f32, 4)
 SCAN(__nv_bfloat16, bf16, 8)

@@ -10,20 +10,24 @@
 //! optional `init_state [B,H,P,N]`. Output `states [B,H,C+1,P,N]`: entry `c` enters chunk `c`,
 //! entry `C` is the final state; stored in f32 or bf16, carried in f32.
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::check::{self, SsdDims};
 use crate::cpu::{self, MatMut, MatRef};
+use crate::slot::Slot;
 
 /// The `fwd_pass_state` op on `(x, b, dt_out)`; `da_cumsum` and the initial state are held here.
-#[derive(Clone, Debug)]
+/// With `final_state`, the op also leaves the final state `[B,H,P,N]` there as a contiguous
+/// storage of its own (no strided copy out of the states afterwards).
+#[derive(Debug)]
 pub(crate) struct FwdPassState {
     pub da_cumsum: Tensor,
     pub init_state: Option<Tensor>,
     pub dims: SsdDims,
     pub chunk_size: usize,
     pub state_dtype: DType,
+    pub final_state: Option<Slot>,
 }
 
 impl CustomOp3 for FwdPassState {
@@ -114,6 +118,16 @@ impl CustomOp3 for FwdPassState {
                     );
                 }
             });
+        if let Some(slot) = &self.final_state {
+            let last = states
+                .chunks(pn)
+                .skip(nchunks)
+                .step_by(nchunks + 1)
+                .flatten()
+                .copied()
+                .collect();
+            slot.put(op, Storage::Cpu(cpu::from_f32(last, self.state_dtype)?))?;
+        }
         let shape = Shape::from((batch, nheads, nchunks + 1, headdim, dstate));
         Ok((cpu::from_f32(states, self.state_dtype)?, shape))
     }
@@ -145,6 +159,26 @@ pub fn fwd_pass_state(
     chunk_size: usize,
     state_dtype: DType,
 ) -> Result<Tensor> {
+    let args = (x, b, dt_out, da_cumsum, init_state);
+    Ok(states_and_final(args, chunk_size, state_dtype, false)?.0)
+}
+
+/// [`fwd_pass_state`]'s inputs: x, b, dt_out, da_cumsum, init_state.
+pub(crate) type StateArgs<'a> = (
+    &'a Tensor,
+    &'a Tensor,
+    &'a Tensor,
+    &'a Tensor,
+    Option<&'a Tensor>,
+);
+
+/// [`fwd_pass_state`], and with `with_final` also the final state `[B,H,P,N]` as its own tensor.
+pub(crate) fn states_and_final(
+    (x, b, dt_out, da_cumsum, init_state): StateArgs,
+    chunk_size: usize,
+    state_dtype: DType,
+    with_final: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let op = "fwd_pass_state";
     let dims = SsdDims::values(op, x, b)?;
     dims.per_token(op, "dt_out", dt_out, x)?;
@@ -162,7 +196,15 @@ pub fn fwd_pass_state(
         dims,
         chunk_size,
         state_dtype,
+        final_state: with_final.then(Slot::default),
     };
-    x.contiguous()?
-        .apply_op3_no_bwd(&b.contiguous()?, &dt_out.contiguous()?, &stage)
+    let states =
+        x.contiguous()?
+            .apply_op3_no_bwd(&b.contiguous()?, &dt_out.contiguous()?, &stage)?;
+    let shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
+    let last = match stage.final_state {
+        Some(slot) => Some(slot.take(op, "final state", shape)?),
+        None => None,
+    };
+    Ok((states, last))
 }

@@ -1,10 +1,11 @@
 //! The chunked SSD forward: [`chunk_cumsum`] → [`fwd_pass_state`] → [`compute_out`], the
 //! equivalent of mamba_ssm's `mamba_chunk_scan_combined` with `return_final_states`.
 
-use candle_core::{DType, IndexOp, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 
 use crate::check::{self, SsdDims};
-use crate::{chunk_cumsum, compute_out, fwd_pass_state, DtOptions};
+use crate::fwd_pass_state::states_and_final;
+use crate::{chunk_cumsum, compute_out, DtOptions};
 
 /// Options of [`ssd`]; `Default` is chunk 256, f32 states and mamba_ssm's defaults.
 #[derive(Clone, Copy, Debug)]
@@ -75,16 +76,11 @@ pub fn ssd(
     let (x, b, c) = (&x.contiguous()?, &b.contiguous()?, &c.contiguous()?);
     let chunk = opts.chunk_size;
     let (dt_out, da_cumsum) = chunk_cumsum(dt, a, &opts.dt, chunk)?;
-    let states = fwd_pass_state(
-        x,
-        b,
-        &dt_out,
-        &da_cumsum,
-        opts.initial_state,
-        chunk,
-        opts.state_dtype,
-    )?;
+    let args = (x, b, &dt_out, &da_cumsum, opts.initial_state);
+    let (states, last) = states_and_final(args, chunk, opts.state_dtype, true)?;
     let y = compute_out(x, b, c, &dt_out, &da_cumsum, &states, opts.d, opts.z, chunk)?;
-    let final_state = states.i((.., .., dims.nchunks(chunk)))?.contiguous()?;
+    let Some(final_state) = last else {
+        bail!("{op}: fwd_pass_state left no final state")
+    };
     Ok((y, final_state))
 }

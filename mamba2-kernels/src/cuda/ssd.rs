@@ -6,7 +6,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
-use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape};
+use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
 
 use super::{
     alloc, cfg, dtype_name, function, i, launch, max_smem, opt_ptr, ptr, rows_ptr, sm_count, Held,
@@ -131,6 +131,16 @@ pub(crate) fn fwd_pass_state(
     let da_p = da.ptr(name, "da_cumsum", &stream)?;
     let init_p = opt_ptr(name, "init_state", &init, &stream)?;
     let out_p = ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0;
+    // The final state's own storage, written with slot C when the caller asked for it.
+    let pn = d.batch * d.nheads * d.headdim * d.dstate;
+    let last = match &op.final_state {
+        Some(_) => Some(alloc(dev, op.state_dtype, pn)?),
+        None => None,
+    };
+    let last_p = match &last {
+        Some(l) => ptr(name, "final_state", l, &Layout::contiguous(pn), &stream)?.0,
+        None => 0,
+    };
     let kd = KDims::new(&d, chunk)?;
     let (t, s) = (
         dtype_name(name, x_s.dtype())?,
@@ -166,8 +176,9 @@ pub(crate) fn fwd_pass_state(
                 &stream,
                 &f,
                 cfg(grid, (256, 1, 1), 0),
-                &[&da_p, &init_p, &out_p, &kd],
+                &[&da_p, &init_p, &out_p, &last_p, &kd],
             )?;
+            put_final(op, last)?;
             return Ok((out, shape));
         }
     }
@@ -181,9 +192,17 @@ pub(crate) fn fwd_pass_state(
         &stream,
         &f,
         cfg(grid, (256, 1, 1), chunk * 4),
-        &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &kd],
+        &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &last_p, &kd],
     )?;
+    put_final(op, last)?;
     Ok((out, shape))
+}
+
+fn put_final(op: &FwdPassState, last: Option<CudaStorage>) -> Result<()> {
+    match (&op.final_state, last) {
+        (Some(slot), Some(l)) => slot.put("fwd_pass_state", Storage::Cuda(l)),
+        _ => Ok(()),
+    }
 }
 
 /// The launch of `chunk_state_mma` — (warps, N-tile, shared bytes) — if the shape suits it: P a
