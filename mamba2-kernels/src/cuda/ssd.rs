@@ -269,8 +269,8 @@ pub(crate) fn compute_out(
         dtype_name(name, x_s.dtype())?,
         dtype_name(name, st_s.dtype())?,
     );
-    // 16-byte aligned x, b, c, z and states for the tile copies.
-    let aligned = [x_p, b_p, c_p, st_p, z_p].iter().all(|p| p % 16 == 0);
+    // 16-byte aligned x, b, c and states for the tile copies; z is read in pairs.
+    let aligned = [x_p, b_p, c_p, st_p].iter().all(|p| p % 16 == 0) && z_p % 4 == 0;
     let mma = matches!(x_s.dtype(), DType::BF16 | DType::F16)
         && aligned
         && d.headdim % 32 == 0
