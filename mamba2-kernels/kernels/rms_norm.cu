@@ -18,6 +18,22 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return m2::warp_sum(s);
 }
 
+// The values f(i) and weights w[i] of a row's elements tid + j·blockDim (j < V) into registers,
+// 0 from `len` on; returns the thread's sum of squares of the values.
+template <int V, typename T, typename F>
+__device__ __forceinline__ float gather(F f, const T* __restrict__ w, int len, float (&v)[V],
+                                        float (&wv)[V]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    v[j] = i < len ? f(i) : 0.f;
+    wv[j] = i < len ? m2::to_f(w[i]) : 0.f;
+    ss += v[j] * v[j];
+  }
+  return ss;
+}
+
 // A row of `len` values, element i at thread i % blockDim, slot i / blockDim: with V > 0 the
 // blockDim·V values (and their weights) stay in registers between the sum of squares and the
 // output, so every global load of the row is issued up front (one memory round trip per row, which at decode's single
@@ -36,13 +52,7 @@ __device__ void gated_rms_norm(const T* __restrict__ x, const T* __restrict__ z,
   float ss = 0.f;
   if constexpr (V > 0) {
     float g[V], wv[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int i = threadIdx.x + j * blockDim.x;
-      g[j] = i < group ? gate(i) : 0.f;
-      wv[j] = i < group ? m2::to_f(w[g0 + i]) : 0.f;
-      ss += g[j] * g[j];
-    }
+    ss = gather<V>(gate, w + g0, group, g, wv);
     const float scale = rsqrtf(block_sum(ss, red) / group + eps);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -72,13 +82,7 @@ __device__ void add_rms_norm(const T* __restrict__ x, const R* __restrict__ res,
   float ss = 0.f;
   if constexpr (V > 0) {
     float r[V], wv[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int i = threadIdx.x + j * blockDim.x;
-      r[j] = i < D ? sum(i) : 0.f;
-      wv[j] = i < D ? m2::to_f(w[i]) : 0.f;
-      ss += r[j] * r[j];
-    }
+    ss = gather<V>(sum, w, D, r, wv);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
