@@ -5,7 +5,8 @@
 //! N=128, chunk 128, f32). With `--features cuda`, `bench_ssd --cuda` times the CUDA kernels on
 //! the seed shapes with CUDA events (median of `--gpu-reps` runs after warm-up, three input sets
 //! in rotation), replayed from a CUDA graph of 20 calls (GPU time per call without launch gaps)
-//! and one host call per run, plus the decode step.
+//! and one host call per run (synchronised, and the host's own time up to its return), plus the
+//! decode step.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -369,21 +370,28 @@ mod gpu {
         Ok(median(times))
     }
 
-    /// Median wall time (µs) of one call from the host, synchronised.
-    fn host_us(dev: &Device, reps: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    /// Median wall times (µs) of one call from the host: synchronised (the call as a user sees
+    /// it), and up to its return only (what the host spends issuing its work).
+    fn host_us(
+        dev: &Device,
+        reps: usize,
+        mut f: impl FnMut(usize) -> Result<()>,
+    ) -> Result<(f64, f64)> {
         let s = stream(dev)?;
         for i in 0..5 {
             f(i)?;
         }
         s.synchronize()?;
-        let mut times = Vec::with_capacity(reps);
+        let mut synced = Vec::with_capacity(reps);
+        let mut issued = Vec::with_capacity(reps);
         for i in 0..reps {
             let t = Instant::now();
             f(i)?;
+            issued.push(t.elapsed().as_secs_f64() * 1e6);
             s.synchronize()?;
-            times.push(t.elapsed().as_secs_f64() * 1e6);
+            synced.push(t.elapsed().as_secs_f64() * 1e6);
         }
-        Ok(median(times))
+        Ok((median(synced), median(issued)))
     }
 
     pub fn run(args: &Args) -> Result<()> {
@@ -441,9 +449,9 @@ mod gpu {
             },
         ];
         let (p, g, chunk) = (64, 1, 128);
-        println!("bench_ssd cuda: P=64 G=1 chunk=128 bf16 values, bf16 chunk states; GPU µs = median of {} event-timed runs; graph = per call in a replayed graph of {GRAPH_CALLS} calls; call µs = one host call, synchronised", args.gpu_reps);
-        println!("| shape | chunk_cumsum | fwd_pass_state | compute_out | stages sum | ssd GPU | ssd graph | ssd call | state GB/s | out GB/s |");
-        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!("bench_ssd cuda: P=64 G=1 chunk=128 bf16 values, bf16 chunk states; GPU µs = median of {} event-timed runs; graph = per call in a replayed graph of {GRAPH_CALLS} calls; call µs = one host call, synchronised; host issue = its host time up to its return", args.gpu_reps);
+        println!("| shape | chunk_cumsum | fwd_pass_state | compute_out | stages sum | ssd GPU | ssd graph | ssd call | host issue | state GB/s | out GB/s |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         let picked = |sh: &&Shape| {
             args.only
                 .as_ref()
@@ -534,7 +542,7 @@ mod gpu {
             };
             let t_ssd = gpu_us(&dev, reps, &ballast, run)?;
             let t_graph = graph_us(&dev, run)?;
-            let t_call = host_us(&dev, reps, run)?;
+            let (t_call, t_issue) = host_us(&dev, reps, run)?;
             // Bytes: stage 2 reads x, b and writes the chunk states; stage 3 reads x, b, c, the
             // states and writes y (bf16 = 2 bytes).
             let nchunks = l.div_ceil(chunk);
@@ -544,7 +552,7 @@ mod gpu {
             let bw2 = (xb + bb + sb) / (t2 * 1e3);
             let bw3 = (2.0 * xb + 2.0 * bb + sb) / (t3 * 1e3);
             println!(
-                "| {} (B={bsz} H={h} N={n} L={l}) | {t1:.1} | {t2:.1} | {t3:.1} | {:.1} | {t_ssd:.1} | {t_graph:.1} | {t_call:.1} | {bw2:.0} | {bw3:.0} |",
+                "| {} (B={bsz} H={h} N={n} L={l}) | {t1:.1} | {t2:.1} | {t3:.1} | {:.1} | {t_ssd:.1} | {t_graph:.1} | {t_call:.1} | {t_issue:.1} | {bw2:.0} | {bw3:.0} |",
                 sh.name,
                 t1 + t2 + t3
             );
@@ -586,7 +594,7 @@ mod gpu {
                 };
                 let t = gpu_us(&dev, args.gpu_reps, &ballast, step)?;
                 let tg = graph_us(&dev, step)?;
-                let tc = host_us(&dev, args.gpu_reps, step)?;
+                let (tc, _) = host_us(&dev, args.gpu_reps, step)?;
                 let bytes = 2.0 * (batch * h * p * 128 * state_dtype.size_in_bytes()) as f64;
                 println!(
                     "| B={batch} | {state_dtype:?} | {t:.2} | {tg:.2} | {tc:.1} | {:.0} |",
