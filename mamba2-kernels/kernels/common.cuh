@@ -65,17 +65,45 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
   int n = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 }
-// Rows [0, rows) of a tile of COLS values (global row stride `stride` elements) into shared memory
-// (row stride `dst_stride`) by 16-byte cp.async from `threads` threads (a multiple of COLS / 8);
-// rows from `len` on are zero-filled.
+// Shared tiles of 2-byte values without padding, their 16-byte chunks XOR-swizzled: chunk c of
+// row r (rows of ROWB bytes) sits at chunk c ^ ((r / PER) & MASK) of its row, PER rows sharing a
+// 128-byte line and MASK + 1 = min(chunks per row, 8). Eight consecutive rows at one chunk (an
+// ldmatrix) and each 128-byte line written by eight threads (cp.async) then touch 32 distinct
+// banks. Returns the element offset of (r, chunk c).
+template <int ROWB>
+__device__ __forceinline__ int swz(int r, int c) {
+  constexpr int CH = ROWB / 16, PER = ROWB >= 128 ? 1 : 128 / ROWB, MASK = (CH < 8 ? CH : 8) - 1;
+  return (r * CH + (c ^ ((r / PER) & MASK))) * 8;
+}
+// The byte address of chunk c0 + k of a row of a swizzled tile (rows of ROWB bytes, the tile
+// 128-byte aligned in the shared window), from `l`, the address of (row, c0): k is known at
+// compile time and shares no bit with c0, so the swizzle's XOR carries over to it.
+template <int ROWB>
+__device__ __forceinline__ uint32_t swz_add(uint32_t l, int k) {
+  constexpr int CH = ROWB / 16, MASK = (CH < 8 ? CH : 8) - 1;
+  return (l ^ ((k & MASK) << 4)) + ((k & ~MASK) << 4);
+}
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// The dynamic shared memory rounded up to 128 bytes (the launchers request 128 bytes more).
+__device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
+  return raw + ((128 - (smem_addr(raw) & 127)) & 127);
+}
+// Rows [0, rows) of a [rows, COLS] tile of 2-byte T (global row stride `stride` elements from
+// `src`) into a swizzled shared tile by 16-byte cp.async from `threads` threads (a multiple of
+// COLS / 8); rows from `len` on are zero-filled (read from `src`). The source offsets are 32-bit
+// bytes from `src` (a tile spans less than 4 GiB): no 64-bit pointer stays live per thread.
 template <int COLS, typename T>
-__device__ __forceinline__ void load_rows(T* dst, int dst_stride, const T* src, size_t stride,
-                                          int rows, int len, int tid, int threads) {
+__device__ __forceinline__ void load_tile(T* dst, const T* src, uint32_t stride, int rows, int len,
+                                          int tid, int threads) {
   constexpr int Q = COLS / 8;
-  const int q = (tid % Q) * 8, step = threads / Q;
-  const T* p = src + q + static_cast<size_t>(tid / Q) * stride;
-  for (int r = tid / Q; r < rows; r += step, p += step * stride)
-    cp_async16(dst + r * dst_stride + q, r < len ? p : src, r < len);
+  const int c = tid % Q, step = threads / Q;
+  const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+  uint32_t off = static_cast<uint32_t>(tid / Q) * stride * 2 + c * 16;
+  const uint32_t jump = static_cast<uint32_t>(step) * stride * 2;
+  for (int r = tid / Q; r < rows; r += step, off += jump)
+    cp_async16(dst + swz<COLS * 2>(r, c), s + (r < len ? off : 0), r < len);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
@@ -83,25 +111,17 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- tensor cores: ldmatrix and mma.sync m16n8k16 (bf16/f16 in, f32 accumulate) ----
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t s) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t s) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
-__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1]) : "r"(s));
-}
-__device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], const void* p) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1]) : "r"(s));
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) { ldsm_x4(r, smem_addr(p)); }
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  ldsm_x4_t(r, smem_addr(p));
 }
 
 // Two f32 values stored as a pair of T (one 8-, 4- or 4-byte store).
@@ -145,6 +165,18 @@ template <> struct Mma<__half> {
     return *reinterpret_cast<uint32_t*>(&v);
   }
 };
+
+// Elementwise product of two packed pairs of T.
+template <typename T> __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b);
+template <> __device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <> __device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_t b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
 
 // Eight consecutive values: loaded raw (16 bytes of bf16/f16, 32 of f32), unpacked to f32 at use;
 // stored from f32.

@@ -12,12 +12,15 @@
 //      are computed once (ws, es below).
 //   1. The (head, P-tile) units stream through two buffers (x tile, state tile) by cp.async: unit
 //      u+1 loads while unit u computes, one barrier per unit. Per unit and warp: Y = C·hᵀ from the
-//      register fragments, scaled by exp2(d_t); then for every column block kb ≤ rb the stored
-//      C·Bᵀ block is scaled in registers and becomes the A operand of Y += S·X; + D·x, · silu(z).
+//      register fragments; then for every column block kb ≤ rb the stored C·Bᵀ block is scaled
+//      in registers and becomes the A operand of Y += S·X; + D·x, · silu(z).
 //   Off the diagonal (kb < rb, r0 = 16·rb, e = 16·kb + 15, so s ≤ e < r0 ≤ t) the decay factors
-//   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) and
-//   last (ws, with dt_s) are per token, the middle one per block. The diagonal block uses
-//   exp2(d_t − d_s)·dt_s directly, selected by index compare. No masked exponential is used.
+//   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) is
+//   per row and scales the sum of C·hᵀ (times exp2(d_r0)) and those blocks at once, the middle
+//   one (blk) per block and the last (ws, with dt_s) per token scale the stored C·Bᵀ block as
+//   pairs of T (the A operand: one packed multiply per register). The diagonal
+//   block uses exp2(d_t − d_s)·dt_s directly, selected by index compare. No masked exponential
+//   is used. Shared tiles are XOR-swizzled (m2::swz): conflict-free cp.async and ldmatrix.
 // compute_out_simt: any type and shape, for f32 and the sizes the MMA path does not cover.
 #include <type_traits>
 
@@ -30,26 +33,18 @@ struct Dims {
   int d_per_channel;
 };
 
-constexpr int PAD = 8;
-
-// Copies a [rows, cols] chunk-state tile (contiguous rows of `cols`) into shared memory as T
-// (row stride dst_stride): by cp.async when the state type is the value type, else converted
-// through registers.
+// Copies a [ROWS, COLS] chunk-state tile (contiguous rows) into a swizzled shared tile of T
+// (m2::swz): by cp.async when the state type is the value type, else converted through registers.
 template <typename T, typename S, int ROWS, int COLS>
-__device__ __forceinline__ void load_state_tile(T* dst, const S* src, int dst_stride, int tid,
-                                                int threads) {
+__device__ __forceinline__ void load_state_tile(T* dst, const S* src, int tid, int threads) {
   if constexpr (std::is_same<T, S>::value) {
-    for (int i = tid; i < ROWS * COLS / 8; i += threads) {
-      const int r = i / (COLS / 8), q = (i % (COLS / 8)) * 8;
-      m2::cp_async16(dst + r * dst_stride + q, src + i * 8, true);
-    }
+    m2::load_tile<COLS>(dst, src, COLS, ROWS, ROWS, tid, threads);
   } else {
     using V8 = m2::Vec8<S>;
     for (int i = tid; i < ROWS * COLS / 8; i += threads) {
-      const int r = i / (COLS / 8), q = (i % (COLS / 8)) * 8;
       float v[8];
       V8::unpack(V8::load(src + i * 8, true), v);
-      m2::Vec8<T>::store(dst + r * dst_stride + q, v);
+      m2::Vec8<T>::store(dst + m2::swz<COLS * 2>(i / (COLS / 8), i % (COLS / 8)), v);
     }
   }
 }
@@ -72,15 +67,15 @@ __device__ __forceinline__ float2 unpack(uint32_t v) {
 
 // Shared memory of compute_out_mma in bytes (the launcher's `mma_smem` computes the same):
 // cb [W(W+1)/2 blocks][32 lanes] uint4 | sc [HB][4][chunk] f32 (d, dt, ws, es) | dk [HB][P] f32
-// (D per channel, 0 without D) | a region that holds c [chunk][N+PAD] and b [chunk][N+PAD]
-// first, then two unit buffers, each x [chunk][PT+PAD] and the state tile [PT][N+PAD].
+// (D per channel, 0 without D) | a region that holds c [chunk][N] and b [chunk][N] first, then
+// two unit buffers, each x [chunk][PT] and the state tile [PT][N]; the tiles are swizzled
+// (m2::swz), not padded.
 template <int N, int PT>
 struct Layout {
-  static constexpr int NR = N + PAD, XR = PT + PAD;
   int cb_bytes, sc_bytes, dk_bytes, buf_elems;
   __device__ Layout(int chunk, int hb, int p)
       : cb_bytes((chunk / 16) * (chunk / 16 + 1) / 2 * 512), sc_bytes(hb * 4 * chunk * 4),
-        dk_bytes(hb * p * 4), buf_elems(chunk * XR + PT * NR) {}
+        dk_bytes(hb * p * 4), buf_elems(chunk * PT + PT * N) {}
 };
 
 template <typename T, typename S, int N, int PT>
@@ -89,14 +84,15 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
                                 const float* __restrict__ da, const S* __restrict__ states,
                                 const float* __restrict__ dskip, const T* __restrict__ z,
                                 T* __restrict__ y, Dims D) {
-  constexpr int NR = Layout<N, PT>::NR, XR = Layout<N, PT>::XR, KS = N / 16, NJ = PT / 8;
+  constexpr int KS = N / 16, NJ = PT / 8, NB = N * 2, XB = PT * 2;  // NB, XB: row bytes
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = m2::smem_aligned(smem_raw);
   const int chunk = D.chunk, P = D.headdim, HB = D.heads_per_block;
   const Layout<N, PT> lay(chunk, HB, P);
-  uint4* cbs = reinterpret_cast<uint4*>(smem_raw);
-  float* sc = reinterpret_cast<float*>(smem_raw + lay.cb_bytes);
-  float* dk = reinterpret_cast<float*>(smem_raw + lay.cb_bytes + lay.sc_bytes);
-  T* region = reinterpret_cast<T*>(smem_raw + lay.cb_bytes + lay.sc_bytes + lay.dk_bytes);
+  uint4* cbs = reinterpret_cast<uint4*>(smem);
+  float* sc = reinterpret_cast<float*>(smem + lay.cb_bytes);
+  float* dk = reinterpret_cast<float*>(smem + lay.cb_bytes + lay.sc_bytes);
+  T* region = reinterpret_cast<T*>(smem + lay.cb_bytes + lay.sc_bytes + lay.dk_bytes);
 
   const int c = blockIdx.x, b = blockIdx.z;
   const int h_first = blockIdx.y * HB;
@@ -108,16 +104,19 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   const size_t gn = static_cast<size_t>(D.ngroups) * N;
   const size_t tok0 = static_cast<size_t>(b) * D.seqlen + l0;
   const int gr = lane / 4, tc = (lane % 4) * 2;
-  const int r0 = warp * 16, t_lo = r0 + gr, t_hi = t_lo + 8;
+  // Warp w takes row block rb in a snake order (0..3, 7..4, 8..11, ...): the warps that share a
+  // sub-partition (w mod 4) get equal sums of causal column blocks.
+  const int rb = (warp / 4) % 2 ? warp / 4 * 4 + 3 - warp % 4 : warp;
+  const int r0 = rb * 16, t_lo = r0 + gr, t_hi = t_lo + 8;
   const bool rows_live = r0 < len;
 
   // 0. c, b, and d, dt of every head.
   {
     T* cs = region;
-    T* bs = region + chunk * NR;
+    T* bs = region + chunk * N;
     const size_t at = tok0 * gn + static_cast<size_t>(g) * N;
-    m2::load_rows<N>(cs, NR, cm + at, gn, chunk, len, tid, threads);
-    m2::load_rows<N>(bs, NR, bm + at, gn, chunk, len, tid, threads);
+    m2::load_tile<N>(cs, cm + at, static_cast<uint32_t>(gn), chunk, len, tid, threads);
+    m2::load_tile<N>(bs, bm + at, static_cast<uint32_t>(gn), chunk, len, tid, threads);
     for (int i = tid; i < HB * chunk; i += threads) {
       const int hh = i / chunk, t = i % chunk;
       const bool ok = t < len;
@@ -146,20 +145,20 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   }
   // This warp's rows of C as A-fragments, and its blocks of C·Bᵀ.
   uint32_t cf[KS][4];
-  uint4* cbw = cbs + (warp * (warp + 1) / 2) * 32 + lane;
+  uint4* cbw = cbs + (rb * (rb + 1) / 2) * 32 + lane;
   {
     const T* cs = region;
-    const T* bs = region + chunk * NR;
+    const T* bs = region + chunk * N;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
-      m2::ldsm_x4(cf[ks], cs + (r0 + (lane % 8) + ((lane / 8) % 2) * 8) * NR + ks * 16 + (lane / 16) * 8);
+      m2::ldsm_x4(cf[ks], cs + m2::swz<NB>(r0 + (lane % 8) + ((lane / 8) % 2) * 8, ks * 2 + lane / 16));
     if (rows_live) {
-      for (int kb = 0; kb <= warp; ++kb) {
+      for (int kb = 0; kb <= rb; ++kb) {
         float s[2][4] = {};
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
           uint32_t bf[4];
-          m2::ldsm_x4(bf, bs + (kb * 16 + (lane / 16) * 8 + (lane % 8)) * NR + ks * 16 + ((lane / 8) % 2) * 8);
+          m2::ldsm_x4(bf, bs + m2::swz<NB>(kb * 16 + (lane / 16) * 8 + (lane % 8), ks * 2 + (lane / 8) % 2));
           m2::Mma<T>::run(s[0], cf[ks], bf[0], bf[1]);
           m2::Mma<T>::run(s[1], cf[ks], bf[2], bf[3]);
         }
@@ -172,26 +171,28 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   __syncthreads();  // c and b are dead: the region holds the unit buffers from here
 
   auto buf_of = [&](int u) { return region + (u % 2) * lay.buf_elems; };
-  // The unit loads index each 16-byte piece rather than walk a pointer (m2::load_rows): inside the
-  // unit loop, beside C's fragments, the walk's live pointers made the N=128 kernel spill. Only
-  // the first half of the warps (the rows with the fewest column blocks) issue them.
+  // Only the first half of the warps (the rows with the fewest column blocks) issue the unit
+  // loads.
   const int loaders = threads / 2;
+  const T* x_chunk = x + tok0 * hp;
+  // Unit u is (head u / ptiles, P-tile u % ptiles).
   auto load_unit = [&](int u) {
     if (tid >= loaders) return;
     T* xs = buf_of(u);
     const int h = h_first + u / ptiles, p0 = (u % ptiles) * PT;
-    for (int i = tid; i < chunk * (PT / 8); i += loaders) {
-      const int r = i / (PT / 8), q = (i % (PT / 8)) * 8;
-      const bool ok = r < len;
-      m2::cp_async16(xs + r * XR + q, x + (tok0 + (ok ? r : 0)) * hp + h * P + p0 + q, ok);
-    }
+    m2::load_tile<PT>(xs, x_chunk + h * P + p0, static_cast<uint32_t>(hp), chunk, len, tid, loaders);
     const size_t bh = static_cast<size_t>(b) * D.nheads + h;
     const S* st = states + ((bh * (D.nchunks + 1)) + c) * static_cast<size_t>(P) * N +
                   static_cast<size_t>(p0) * N;
-    load_state_tile<T, S, PT, N>(xs + chunk * XR, st, NR, tid, loaders);
+    load_state_tile<T, S, PT, N>(xs + chunk * PT, st, tid, loaders);
     m2::cp_async_commit();
   };
 
+  // Each lane's ldmatrix row addresses (bytes, relative to a tile) in the state tile (C·hᵀ) and
+  // the x tile (S·X), and its first output row t_lo in the x tile (D·x).
+  const uint32_t h_lane = m2::swz<NB>((lane / 16) * 8 + (lane % 8), (lane / 8) % 2) * 2;
+  const uint32_t x_lane = m2::swz<XB>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
+  const uint32_t e_lane = m2::swz<XB>(t_lo, 0) * 2 + tc * 2;
   load_unit(0);
   for (int u = 0; u < units; ++u) {
     m2::cp_async_wait<0>();
@@ -199,7 +200,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
     if (u + 1 < units) load_unit(u + 1);
     if (!rows_live) continue;
     const T* xs = buf_of(u);
-    const T* hs = xs + chunk * XR;
+    const uint32_t xs_a = m2::smem_addr(xs), hl = xs_a + chunk * XB + h_lane;
     const int hh = u / ptiles, h = h_first + hh, p0 = (u % ptiles) * PT;
     const float* ds = sc + hh * 4 * chunk;
     const float* dts = ds + chunk;
@@ -213,59 +214,70 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 #pragma unroll
       for (int j = 0; j < NJ; j += 2) {
         uint32_t bf[4];
-        m2::ldsm_x4(bf, hs + ((j + lane / 16) * 8 + (lane % 8)) * NR + ks * 16 + ((lane / 8) % 2) * 8);
+        m2::ldsm_x4(bf, m2::swz_add<NB>(hl, ks * 2) + j * 8 * NB);
         m2::Mma<T>::run(acc[j], cf[ks], bf[0], bf[1]);
         m2::Mma<T>::run(acc[j + 1], cf[ks], bf[2], bf[3]);
       }
     }
-    const float d_lo = ds[t_lo], d_hi = ds[t_hi], d_r0 = ds[r0];
-    const float y_lo = m2::exp2_fast(d_lo), y_hi = m2::exp2_fast(d_hi);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      acc[j][0] *= y_lo;
-      acc[j][1] *= y_lo;
-      acc[j][2] *= y_hi;
-      acc[j][3] *= y_hi;
-    }
-    // Y += (C·Bᵀ ∘ decay·dt ∘ causal)·X over the column blocks kb ≤ rb.
-    const float e_lo = es[t_lo], e_hi = es[t_hi];
-    for (int kb = 0; kb <= warp; ++kb) {
-      const uint4 raw = cbw[kb * 32];
-      const uint32_t cb[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint32_t sa[4];
-      if (kb < warp) {
-        const float blk = m2::exp2_fast(d_r0 - ds[kb * 16 + 15]);
-        const float f_lo = e_lo * blk, f_hi = e_hi * blk;
-#pragma unroll
-        for (int v = 0; v < 2; ++v) {
-          const float2 w = *reinterpret_cast<const float2*>(ws + kb * 16 + v * 8 + tc);
-          const float2 lo = unpack<T>(cb[v * 2]), hi = unpack<T>(cb[v * 2 + 1]);
-          sa[v * 2] = m2::Mma<T>::pack(lo.x * w.x * f_lo, lo.y * w.y * f_lo);
-          sa[v * 2 + 1] = m2::Mma<T>::pack(hi.x * w.x * f_hi, hi.y * w.y * f_hi);
-        }
-      } else {
-#pragma unroll
-        for (int v = 0; v < 2; ++v) {
-          const int s0 = kb * 16 + v * 8 + tc;
-          const float2 w = *reinterpret_cast<const float2*>(dts + s0);
-          const float2 q = *reinterpret_cast<const float2*>(ds + s0);
-          const float2 lo = unpack<T>(cb[v * 2]), hi = unpack<T>(cb[v * 2 + 1]);
-          const bool live_lo = t_lo < len, live_hi = t_hi < len;
-          const float v0 = live_lo && s0 <= t_lo ? lo.x * m2::exp2_fast(d_lo - q.x) * w.x : 0.f;
-          const float v1 = live_lo && s0 + 1 <= t_lo ? lo.y * m2::exp2_fast(d_lo - q.y) * w.y : 0.f;
-          const float v2 = live_hi && s0 <= t_hi ? hi.x * m2::exp2_fast(d_hi - q.x) * w.x : 0.f;
-          const float v3 = live_hi && s0 + 1 <= t_hi ? hi.y * m2::exp2_fast(d_hi - q.y) * w.y : 0.f;
-          sa[v * 2] = m2::Mma<T>::pack(v0, v1);
-          sa[v * 2 + 1] = m2::Mma<T>::pack(v2, v3);
-        }
-      }
+    // Y += S·X for column block kb, S (A operand) given.
+    auto sx = [&](int kb, const uint32_t (&sa)[4]) {
+      const uint32_t xl = xs_a + kb * 16 * XB + x_lane;
 #pragma unroll
       for (int j = 0; j < NJ; j += 2) {
         uint32_t bf[4];
-        m2::ldsm_x4_t(bf, xs + (kb * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * XR + (j + lane / 16) * 8);
+        m2::ldsm_x4_t(bf, m2::swz_add<XB>(xl, j));
         m2::Mma<T>::run(acc[j], sa, bf[0], bf[1]);
         m2::Mma<T>::run(acc[j + 1], sa, bf[2], bf[3]);
       }
+    };
+    // Rows t of block rb: Y_t = es_t·(exp2(d_r0)·C_t·hᵀ + Σ_{kb<rb} Σ_s C·Bᵀ_ts·blk_kb·ws_s·x_s)
+    // + the diagonal block, with es_t, blk_kb = exp2(d_r0 − d_e) and ws_s all ≤ 1.
+    const float d_lo = ds[t_lo], d_hi = ds[t_hi], d_r0 = ds[r0];
+    const float y0 = m2::exp2_fast(d_r0);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] *= y0;
+    for (int kb = 0; kb < rb; ++kb) {
+      const uint4 raw = cbw[kb * 32];
+      const uint32_t cb[4] = {raw.x, raw.y, raw.z, raw.w};
+      const float blk = m2::exp2_fast(d_r0 - ds[kb * 16 + 15]);
+      // Columns tc, tc + 1 (registers 0, 1) and tc + 8, tc + 9 (2, 3): blk·ws as a pair of T.
+      const float2 wl = *reinterpret_cast<const float2*>(ws + kb * 16 + tc);
+      const float2 wh = *reinterpret_cast<const float2*>(ws + kb * 16 + 8 + tc);
+      const uint32_t fl = m2::Mma<T>::pack(wl.x * blk, wl.y * blk);
+      const uint32_t fh = m2::Mma<T>::pack(wh.x * blk, wh.y * blk);
+      const uint32_t sa[4] = {m2::mul2<T>(cb[0], fl), m2::mul2<T>(cb[1], fl), m2::mul2<T>(cb[2], fh),
+                              m2::mul2<T>(cb[3], fh)};
+      sx(kb, sa);
+    }
+    const float e_lo = es[t_lo], e_hi = es[t_hi];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      acc[j][0] *= e_lo;
+      acc[j][1] *= e_lo;
+      acc[j][2] *= e_hi;
+      acc[j][3] *= e_hi;
+    }
+    {
+      const uint4 raw = cbw[rb * 32];
+      const uint32_t cb[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t sa[4];
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int s0 = r0 + v * 8 + tc;
+        const float2 w = *reinterpret_cast<const float2*>(dts + s0);
+        const float2 q = *reinterpret_cast<const float2*>(ds + s0);
+        const float2 lo = unpack<T>(cb[v * 2]), hi = unpack<T>(cb[v * 2 + 1]);
+        const bool live_lo = t_lo < len, live_hi = t_hi < len;
+        const float v0 = live_lo && s0 <= t_lo ? lo.x * m2::exp2_fast(d_lo - q.x) * w.x : 0.f;
+        const float v1 = live_lo && s0 + 1 <= t_lo ? lo.y * m2::exp2_fast(d_lo - q.y) * w.y : 0.f;
+        const float v2 = live_hi && s0 <= t_hi ? hi.x * m2::exp2_fast(d_hi - q.x) * w.x : 0.f;
+        const float v3 = live_hi && s0 + 1 <= t_hi ? hi.y * m2::exp2_fast(d_hi - q.y) * w.y : 0.f;
+        sa[v * 2] = m2::Mma<T>::pack(v0, v1);
+        sa[v * 2 + 1] = m2::Mma<T>::pack(v2, v3);
+      }
+      sx(rb, sa);
     }
     // + D·x, · silu(z), store (rows past the sequence are not stored).
     const float* d_cols = dk + hh * P + p0 + tc;
@@ -276,10 +288,11 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
       const size_t o = (tok0 + t) * hp + static_cast<size_t>(h) * P + p0 + tc;
       T* yr = y + o;
       const T* zr = z ? z + o : nullptr;
-      const T* xr = xs + t * XR + tc;
+      const unsigned char* xr = reinterpret_cast<const unsigned char*>(xs);
+      const uint32_t e_off = e_lane + r * 8 * XB;
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        const float2 xv = load_pair<T>(xr + j * 8);
+        const float2 xv = load_pair<T>(reinterpret_cast<const T*>(xr + m2::swz_add<XB>(e_off, j)));
         const float2 dd = *reinterpret_cast<const float2*>(d_cols + j * 8);
         float v0 = acc[j][2 * r] + dd.x * xv.x, v1 = acc[j][2 * r + 1] + dd.y * xv.y;
         if (zr) {

@@ -17,20 +17,8 @@ struct Dims {
   int batch, seqlen, nheads, headdim, ngroups, dstate, chunk, nchunks;
 };
 
-constexpr int PAD = 8;  // elements of padding per shared row: conflict-free ldmatrix and staging
+constexpr int PAD = 8;  // elements of padding per row of the output staging
 constexpr int MAXC = 512;  // the longest chunk chunk_state_mma takes
-
-// Elementwise product of two packed pairs of T.
-template <typename T> __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b);
-template <> __device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, uint32_t b) {
-  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-template <> __device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_t b) {
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
 
 template <typename T, typename S>
 __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict__ bm,
@@ -73,20 +61,21 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
 
 // One chunk's own contribution to the state, local_c = Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ,
 // written to slot c + 1 of `states` (state_scan turns the slots into entry states in place).
-// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async (one
-// pointer walk per thread), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
+// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async into
+// swizzled tiles (m2::swz), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
 // w_s = exp2(d_last − d_s)·dt_s applied to x's fragments in registers; the tile leaves through
 // shared memory as 16-byte rows.
 template <typename T, typename S, int WARPS, int NT>
 __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const float* __restrict__ dt, const float* __restrict__ da,
                                 S* __restrict__ states, Dims D) {
-  constexpr int PT = 16 * WARPS, XR = PT + PAD, BR = NT + PAD, THREADS = 32 * WARPS;
+  constexpr int PT = 16 * WARPS, THREADS = 32 * WARPS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = m2::smem_aligned(smem_raw);
   const int chunk = D.chunk;
-  T* xs = reinterpret_cast<T*>(smem_raw);                   // [chunk][XR]
-  T* bs = xs + chunk * XR;                                  // [chunk][BR]
-  T* ws = bs + chunk * BR;                                  // [chunk]
+  T* xs = reinterpret_cast<T*>(smem);      // [chunk][PT], swizzled (m2::swz)
+  T* bs = xs + chunk * PT;                 // [chunk][NT], swizzled
+  T* ws = bs + chunk * NT;                 // [chunk]
 
   const int bhc = blockIdx.x, n0 = blockIdx.y * NT, p0 = blockIdx.z * PT;
   const int c = bhc % D.nchunks, bh = bhc / D.nchunks;
@@ -115,13 +104,14 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   const int half = chunk / 32 * 16;
   const T* xg = x + tok0 * hp + static_cast<size_t>(h) * D.headdim + p0;
   const T* bg = bm + tok0 * gn + static_cast<size_t>(g) * D.dstate + n0;
-  m2::load_rows<PT>(xs, XR, xg, hp, half, len, tid, THREADS);
-  m2::load_rows<NT>(bs, BR, bg, gn, half, len, tid, THREADS);
+  const uint32_t hp32 = static_cast<uint32_t>(hp), gn32 = static_cast<uint32_t>(gn);
+  m2::load_tile<PT>(xs, xg, hp32, half, len, tid, THREADS);
+  m2::load_tile<NT>(bs, bg, gn32, half, len, tid, THREADS);
   m2::cp_async_commit();
   const bool rest = len > half;  // else the second half is all zero-fill (from valid addresses)
-  m2::load_rows<PT>(xs + half * XR, XR, rest ? xg + half * hp : xg, hp, chunk - half, len - half, tid,
+  m2::load_tile<PT>(xs + half * PT, rest ? xg + half * hp : xg, hp32, chunk - half, len - half, tid,
                     THREADS);
-  m2::load_rows<NT>(bs + half * BR, BR, rest ? bg + half * gn : bg, gn, chunk - half, len - half, tid,
+  m2::load_tile<NT>(bs + half * NT, rest ? bg + half * gn : bg, gn32, chunk - half, len - half, tid,
                     THREADS);
   m2::cp_async_commit();
 #pragma unroll
@@ -138,6 +128,9 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   const int tc = (lane % 4) * 2;
+  // Each lane's ldmatrix row addresses in the x and b tiles at k0 = 0.
+  const uint32_t a_lane = m2::smem_addr(xs) + m2::swz<PT * 2>((lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2) * 2;
+  const uint32_t b_lane = m2::smem_addr(bs) + m2::swz<NT * 2>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
   for (int k0 = 0; k0 < len; k0 += 16) {
     if (k0 == half) {
       m2::cp_async_wait<0>();
@@ -146,17 +139,17 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
     // x's fragment holds tokens k0 + tc + {0, 1} (registers 0, 1) and k0 + tc + 8 + {0, 1}
     // (registers 2, 3): w scales them there, in registers.
     uint32_t a[4];
-    m2::ldsm_x4_t(a, xs + (k0 + (lane % 8) + (lane / 16) * 8) * XR + warp * 16 + ((lane / 8) % 2) * 8);
+    m2::ldsm_x4_t(a, a_lane + k0 * PT * 2);
     const uint32_t w0 = *reinterpret_cast<const uint32_t*>(ws + k0 + tc);
     const uint32_t w8 = *reinterpret_cast<const uint32_t*>(ws + k0 + tc + 8);
-    a[0] = mul2<T>(a[0], w0);
-    a[1] = mul2<T>(a[1], w0);
-    a[2] = mul2<T>(a[2], w8);
-    a[3] = mul2<T>(a[3], w8);
+    a[0] = m2::mul2<T>(a[0], w0);
+    a[1] = m2::mul2<T>(a[1], w0);
+    a[2] = m2::mul2<T>(a[2], w8);
+    a[3] = m2::mul2<T>(a[3], w8);
 #pragma unroll
     for (int j = 0; j < NT / 8; j += 2) {
       uint32_t bf[4];
-      m2::ldsm_x4_t(bf, bs + (k0 + (lane % 8) + ((lane / 8) % 2) * 8) * BR + (j + lane / 16) * 8);
+      m2::ldsm_x4_t(bf, m2::swz_add<NT * 2>(b_lane + k0 * NT * 2, j));
       m2::Mma<T>::run(acc[j], a, bf[0], bf[1]);
       m2::Mma<T>::run(acc[j + 1], a, bf[2], bf[3]);
     }
@@ -167,7 +160,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   m2::cp_async_wait<0>();
   __syncthreads();
   constexpr int SR = NT + PAD, V = 16 / sizeof(S);
-  S* hs = reinterpret_cast<S*>(smem_raw) + warp * 16 * SR;
+  S* hs = reinterpret_cast<S*>(smem) + warp * 16 * SR;
   const int gr = lane / 4;
 #pragma unroll
   for (int j = 0; j < NT / 8; ++j) {

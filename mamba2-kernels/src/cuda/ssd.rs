@@ -205,6 +205,13 @@ fn put_final(op: &FwdPassState, last: Option<CudaStorage>) -> Result<()> {
     }
 }
 
+/// Whether the tensor-core kernels' tile loads (`m2::load_tile`: 32-bit byte offsets from a
+/// chunk's first row of x, b or c) reach every row of a chunk.
+fn tile_offsets_fit(d: &SsdDims, chunk: usize) -> bool {
+    let row = (d.nheads * d.headdim).max(d.ngroups * d.dstate);
+    chunk * row * 2 <= u32::MAX as usize
+}
+
 /// The launch of `chunk_state_mma` — (warps, N-tile, shared bytes) — if the shape suits it: P a
 /// multiple of 32, N of 16, 16-byte aligned x, b and initial state (`ptrs`), and a chunk of at
 /// most 512 tokens (the kernel's `MAXC`) that fits in shared memory.
@@ -215,7 +222,11 @@ fn chunk_state_tile(
     ptrs: &[u64],
     max_smem: usize,
 ) -> Option<(usize, usize, usize)> {
-    if d.headdim % 32 != 0 || d.dstate % 16 != 0 || ptrs.iter().any(|p| p % 16 != 0) || chunk > 512
+    if d.headdim % 32 != 0
+        || d.dstate % 16 != 0
+        || ptrs.iter().any(|p| p % 16 != 0)
+        || chunk > 512
+        || !tile_offsets_fit(d, chunk)
     {
         return None;
     }
@@ -223,10 +234,11 @@ fn chunk_state_tile(
     let nt = [128, 64, 32, 16]
         .into_iter()
         .find(|nt| d.dstate % nt == 0)?;
-    // x and b tiles and w (2-byte values), or the warps' output staging if larger.
-    let tiles = chunk * (16 * warps + 8) * 2 + chunk * (nt + 8) * 2 + chunk * 2;
+    // x and b tiles and w (2-byte values), or the warps' output staging if larger, and 128 bytes
+    // to align the tiles.
+    let tiles = chunk * 16 * warps * 2 + chunk * nt * 2 + chunk * 2;
     let staging = warps * 16 * (nt + 8) * state_bytes;
-    let smem = tiles.max(staging);
+    let smem = tiles.max(staging) + 128;
     (smem <= max_smem).then_some((warps, nt, smem))
 }
 
@@ -276,7 +288,8 @@ pub(crate) fn compute_out(
         && d.headdim % 32 == 0
         && matches!(d.dstate, 16 | 32 | 64 | 128 | 256)
         && chunk % 16 == 0
-        && (16..=256).contains(&chunk);
+        && (16..=256).contains(&chunk)
+        && tile_offsets_fit(&d, chunk);
     let ptile = if d.headdim % 64 == 0 && d.dstate <= 128 {
         64
     } else {
@@ -326,14 +339,15 @@ pub(crate) fn compute_out(
 
 /// Shared memory of `compute_out_mma` in bytes (its `Layout`, 2-byte values): C·Bᵀ in 16×16
 /// blocks at or below the diagonal, four f32 scalars per token and head, D per channel of each
-/// head, and a region holding c and b at the start, then two unit buffers (x tile and state tile).
+/// head, and a region holding c and b at the start, then two unit buffers (x tile and state
+/// tile); 128 bytes more to align them.
 fn mma_smem(chunk: usize, headdim: usize, dstate: usize, ptile: usize, hb: usize) -> usize {
     let rblocks = chunk / 16;
     let cb = rblocks * (rblocks + 1) / 2 * 512;
     let scalars = hb * 4 * chunk * 4 + hb * headdim * 4;
-    let cb_tiles = 2 * chunk * (dstate + 8) * 2;
-    let buffers = 2 * (chunk * (ptile + 8) + ptile * (dstate + 8)) * 2;
-    cb + scalars + cb_tiles.max(buffers)
+    let cb_tiles = 2 * chunk * dstate * 2;
+    let buffers = 2 * (chunk * ptile + ptile * dstate) * 2;
+    cb + scalars + cb_tiles.max(buffers) + 128
 }
 
 /// Heads per program for `compute_out_mma` (`threads` per program) and its shared bytes: a
