@@ -20,26 +20,35 @@ __device__ void chunk_cumsum(const T* __restrict__ dt, const float* __restrict__
   const size_t row = (static_cast<size_t>(b) * nheads + h) * seqlen;
   float* dt_out = out + row;
   float* da_out = out + static_cast<size_t>(batch) * nheads * seqlen + row;
+  // Four tokens per lane are loaded before any is processed: their latencies overlap instead of
+  // adding up along the scan.
+  constexpr int U = 4;
   float carry = 0.f;
-  for (int base = 0; base < len; base += 32) {
-    const int t = base + lane;
-    float v = 0.f;
-    if (t < len) {
-      const size_t src = (static_cast<size_t>(b) * seqlen + l0 + t) * dt_stride + h;
-      v = m2::process_dt(m2::to_f(dt[src]), bh, softplus, lo, hi);
-    }
-    float s = ah * v;
+  for (int base = 0; base < len; base += 32 * U) {
+    float raw[U];
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      float n = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += n;
+    for (int k = 0; k < U; ++k) {
+      const int t = base + k * 32 + lane;
+      const size_t src = (static_cast<size_t>(b) * seqlen + l0 + t) * dt_stride + h;
+      raw[k] = t < len ? m2::to_f(dt[src]) : 0.f;
     }
-    s += carry;
-    if (t < len) {
-      dt_out[l0 + t] = v;
-      da_out[l0 + t] = s * 1.4426950408889634f;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int t = base + k * 32 + lane;
+      const float v = t < len ? m2::process_dt(raw[k], bh, softplus, lo, hi) : 0.f;
+      float s = ah * v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        float n = __shfl_up_sync(0xffffffffu, s, o);
+        if (lane >= o) s += n;
+      }
+      s += carry;
+      if (t < len) {
+        dt_out[l0 + t] = v;
+        da_out[l0 + t] = s * 1.4426950408889634f;
+      }
+      carry = __shfl_sync(0xffffffffu, s, 31);
     }
-    carry = __shfl_sync(0xffffffffu, s, 31);
   }
 }
 
