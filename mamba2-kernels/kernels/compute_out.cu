@@ -105,7 +105,8 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   const size_t tok0 = static_cast<size_t>(b) * D.seqlen + l0;
   const int gr = lane / 4, tc = (lane % 4) * 2;
   // Warp w takes row block rb in a snake order (0..3, 7..4, 8..11, ...): the warps that share a
-  // sub-partition (w mod 4) get equal sums of causal column blocks.
+  // sub-partition (w mod 4) get equal sums of causal column blocks. The chunk is a power of two
+  // (the launcher's condition), so the warps come in whole groups of four or fewer than four.
   const int rb = (warp / 4) % 2 ? warp / 4 * 4 + 3 - warp % 4 : warp;
   const int r0 = rb * 16, t_lo = r0 + gr, t_hi = t_lo + 8;
   const bool rows_live = r0 < len;

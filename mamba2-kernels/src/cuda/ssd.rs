@@ -287,7 +287,7 @@ pub(crate) fn compute_out(
         && aligned
         && d.headdim % 32 == 0
         && matches!(d.dstate, 16 | 32 | 64 | 128 | 256)
-        && chunk % 16 == 0
+        && chunk.is_power_of_two()
         && (16..=256).contains(&chunk)
         && tile_offsets_fit(&d, chunk);
     let ptile = if d.headdim % 64 == 0 && d.dstate <= 128 {
