@@ -129,8 +129,10 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
   const int tc = (lane % 4) * 2;
   // Each lane's ldmatrix row addresses in the x and b tiles at k0 = 0.
-  const uint32_t a_lane = m2::smem_addr(xs) + m2::swz<PT * 2>((lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2) * 2;
-  const uint32_t b_lane = m2::smem_addr(bs) + m2::swz<NT * 2>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
+  const uint32_t a_lane =
+      m2::smem_addr(xs) + m2::swz<PT * 2>((lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2) * 2;
+  const uint32_t b_lane =
+      m2::smem_addr(bs) + m2::swz<NT * 2>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
   for (int k0 = 0; k0 < len; k0 += 16) {
     if (k0 == half) {
       m2::cp_async_wait<0>();
