@@ -1,7 +1,7 @@
 //! Launchers of the SSD ops. Dispatch: bf16/f16 values on the tensor-core kernels —
 //! fwd_pass_state as a pair (every chunk's own state in parallel, then the scan across chunks)
 //! when P % 32 == 0, N % 16 == 0 and the chunk is at most 512, compute_out when P % 32 == 0, N is
-//! one of 16, 32, 64, 128, 256 and the chunk a multiple of 16 up to 256, both with 16-byte
+//! one of 16, 32, 64, 128, 256 and the chunk a power of two up to 256, both with 16-byte
 //! aligned tiles; everything else — f32, odd sizes or views — on the SIMT kernels.
 
 use candle_core::backend::BackendStorage;
