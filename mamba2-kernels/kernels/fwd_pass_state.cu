@@ -6,7 +6,9 @@
 // a SIMT kernel for the rest:
 //
 // chunk_state_mma: every chunk's own contribution Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ, all
-//   chunks in parallel (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1;
+//   chunks in parallel (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1; its
+//   `_cs` form takes raw dt instead and does stage 1 (chunk_cumsum.cu) on its chunk itself,
+//   writing dt_out and da_cumsum once per chunk: one launch fewer per `ssd` call;
 // state_scan: the recurrence across chunks in place, streaming the slots with 16-byte accesses.
 // fwd_pass_state_simt: any type and shape; one thread per state element, chunks in order.
 #include "common.cuh"
@@ -15,6 +17,19 @@ namespace {
 
 struct Dims {
   int batch, seqlen, nheads, headdim, ngroups, dstate, chunk, nchunks;
+};
+
+// Stage 1's inputs and outputs for chunk_state_mma's `_cs` form (as chunk_cumsum.cu): raw dt of
+// the value type with token rows `dt_stride` apart, a [H] and bias [H] (optional) f32, and
+// out = [dt_out; da_cumsum], each [B,H,L] f32.
+struct Steps {
+  const void* dt;
+  const float* a;
+  const float* bias;
+  float* out;
+  long dt_stride;
+  int softplus;
+  float lo, hi;
 };
 
 constexpr int PAD = 8;  // elements of padding per row of the output staging
@@ -65,10 +80,73 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
 // swizzled tiles (m2::swz), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
 // w_s = exp2(d_last − d_s)·dt_s applied to x's fragments in registers; the tile leaves through
 // shared memory as 16-byte rows.
-template <typename T, typename S, int WARPS, int NT>
+// Stage 1 for one chunk inside chunk_state_mma (THREADS threads): thread t takes tokens
+// [t·q, t·q + q), q = ⌈len / THREADS⌉. raw_steps loads their raw dt into tv (first thing, so that
+// the loads do not queue behind the tile copies); chunk_steps turns tv[k] into the processed dt
+// and dv[k] into its log2-space sum, and returns the chunk's last sum d_last (as stored). The
+// program of the chunk's first tile stores both.
+template <typename T, int THREADS, int PER>
+__device__ __forceinline__ void raw_steps(const Steps& st, int b, int h, int l0, int len,
+                                          float (&tv)[PER], Dims D) {
+  const int q = (len + THREADS - 1) / THREADS, t0 = threadIdx.x * q;
+  const T* dt = static_cast<const T*>(st.dt);
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int t = t0 + k;
+    tv[k] = k < q && t < len ? m2::to_f(dt[(static_cast<size_t>(b) * D.seqlen + l0 + t) * st.dt_stride + h]) : 0.f;
+  }
+}
+template <int THREADS, int PER>
+__device__ __forceinline__ float chunk_steps(const Steps& st, int b, int h, int l0, int len,
+                                             bool store, float ah, float bias, float (&dv)[PER],
+                                             float (&tv)[PER], Dims D) {
+  __shared__ float warp_sums[THREADS / 32], last;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int q = (len + THREADS - 1) / THREADS, t0 = tid * q;
+  float run = 0.f;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const bool ok = k < q && t0 + k < len;
+    tv[k] = ok ? m2::process_dt(tv[k], bias, st.softplus, st.lo, st.hi) : 0.f;
+    run += ah * tv[k];
+    dv[k] = run;
+  }
+  // Exclusive prefix of the threads' totals: a warp scan, then the warps before this one.
+  float incl = run;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float n = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += n;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  float before = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (lane == 0) before = 0.f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w)
+    if (w < warp) before += warp_sums[w];
+  const size_t row = (static_cast<size_t>(b) * D.nheads + h) * D.seqlen + l0;
+  float* dt_out = st.out + row;
+  float* da_out = st.out + static_cast<size_t>(D.batch) * D.nheads * D.seqlen + row;
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    dv[k] = (before + dv[k]) * 1.4426950408889634f;
+    const int t = t0 + k;
+    if (store && k < q && t < len) {
+      dt_out[t] = tv[k];
+      da_out[t] = dv[k];
+    }
+    if (k < q && t == len - 1) last = dv[k];
+  }
+  __syncthreads();
+  return last;
+}
+
+// CS: the `_cs` form (stage 1 from `steps`; dt and da unused), else dt/da from chunk_cumsum.
+template <typename T, typename S, int WARPS, int NT, bool CS>
 __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const float* __restrict__ dt, const float* __restrict__ da,
-                                S* __restrict__ states, Dims D) {
+                                S* __restrict__ states, Dims D, const Steps& steps) {
   constexpr int PT = 16 * WARPS, THREADS = 32 * WARPS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = m2::smem_aligned(smem_raw);
@@ -89,15 +167,22 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
 
   const size_t tok0 = static_cast<size_t>(b) * D.seqlen + l0;
   // The per-token scalars are loaded first, so that their latency overlaps the tile copies
-  // instead of queueing behind them (chunk ≤ MAXC, the launcher's bound).
+  // instead of queueing behind them (chunk ≤ MAXC, the launcher's bound). Token i of the chunk
+  // is (dv, tv)[k] of thread tid with i = tid + k·THREADS (loaded), or i = tid·q + k (CS).
   constexpr int PER = MAXC / THREADS;
-  const float d_last = da[row + l0 + len - 1];
-  float dv[PER], tv[PER];
+  float dv[PER], tv[PER], d_last = 0.f, ah = 0.f, bias = 0.f;
+  if constexpr (CS) {
+    raw_steps<T, THREADS, PER>(steps, b, h, l0, len, tv, D);
+    ah = steps.a[h];
+    bias = steps.bias ? steps.bias[h] : 0.f;
+  } else {
+    d_last = da[row + l0 + len - 1];
 #pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int i = tid + k * THREADS;
-    dv[k] = i < len ? da[row + l0 + i] : 0.f;
-    tv[k] = i < len ? dt[row + l0 + i] : 0.f;
+    for (int k = 0; k < PER; ++k) {
+      const int i = tid + k * THREADS;
+      dv[k] = i < len ? da[row + l0 + i] : 0.f;
+      tv[k] = i < len ? dt[row + l0 + i] : 0.f;
+    }
   }
   // The tiles arrive in two halves of the chunk (two cp.async groups): the MMAs on the first
   // half run while the second is in flight.
@@ -114,10 +199,20 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   m2::load_tile<NT>(bs + half * NT, rest ? bg + half * gn : bg, gn32, chunk - half, len - half, tid,
                     THREADS);
   m2::cp_async_commit();
+  if constexpr (CS) {
+    const bool store = blockIdx.y == 0 && blockIdx.z == 0;
+    d_last = chunk_steps<THREADS, PER>(steps, b, h, l0, len, store, ah, bias, dv, tv, D);
+    const int q = (len + THREADS - 1) / THREADS;
 #pragma unroll
-  for (int k = 0; k < PER; ++k) {
-    const int i = tid + k * THREADS;
-    if (i < chunk) ws[i] = m2::from_f<T>(i < len ? m2::exp2_fast(d_last - dv[k]) * tv[k] : 0.f);
+    for (int k = 0; k < PER; ++k)
+      if (k < q && tid * q + k < len) ws[tid * q + k] = m2::from_f<T>(m2::exp2_fast(d_last - dv[k]) * tv[k]);
+    for (int i = len + tid; i < chunk; i += THREADS) ws[i] = m2::from_f<T>(0.f);
+  } else {
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int i = tid + k * THREADS;
+      if (i < chunk) ws[i] = m2::from_f<T>(i < len ? m2::exp2_fast(d_last - dv[k]) * tv[k] : 0.f);
+    }
   }
   m2::cp_async_wait<1>();
   __syncthreads();
@@ -253,7 +348,13 @@ FPS_SIMT(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
       chunk_state_mma_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, const float* dt,     \
                                                  const float* da, S* states, Dims d) {       \
     m2::wait_prior_grid();                                                                   \
-    chunk_state_mma<T, S, W, NT>(x, b, dt, da, states, d);                                   \
+    chunk_state_mma<T, S, W, NT, false>(x, b, dt, da, states, d, Steps{});                   \
+  }                                                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * W)                                       \
+      chunk_state_mma_cs_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, S* states,        \
+                                                    Dims d, Steps steps) {                   \
+    m2::wait_prior_grid();                                                                   \
+    chunk_state_mma<T, S, W, NT, true>(x, b, nullptr, nullptr, states, d, steps);            \
   }
 #define CHUNK_STATE_NT(T, TN, S, SN, W)                                  \
   CHUNK_STATE(T, TN, S, SN, W, 16) CHUNK_STATE(T, TN, S, SN, W, 32)      \

@@ -9,20 +9,45 @@
 //! Inputs `x [B,L,H,P]`, `b [B,L,G,N]`, `dt_out` and `da_cumsum` `[B,H,L]` f32 (stage 1),
 //! optional `init_state [B,H,P,N]`. Output `states [B,H,C+1,P,N]`: entry `c` enters chunk `c`,
 //! entry `C` is the final state; stored in f32 or bf16, carried in f32.
+//!
+//! Inside [`crate::ssd`] the op also does stage 1 itself (raw dt in, [`crate::chunk_cumsum`]'s
+//! outputs left beside the states): on the GPU that is one kernel launch fewer per call.
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use std::borrow::Cow;
+
+use candle_core::{
+    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor,
+};
 use rayon::prelude::*;
 
 use crate::check::{self, SsdDims};
+use crate::chunk_cumsum::ChunkCumsum;
 use crate::cpu::{self, MatMut, MatRef};
 use crate::slot::Slot;
 
-/// The `fwd_pass_state` op on `(x, b, dt_out)`; `da_cumsum` and the initial state are held here.
-/// With `final_state`, the op also leaves the final state `[B,H,P,N]` there as a contiguous
-/// storage of its own (no strided copy out of the states afterwards).
+/// [`Steps`] on the CPU: the held da_cumsum, or stage 1's output.
+enum CpuSteps<'a> {
+    Given(cpu::Held<'a>),
+    Raw(CpuStorage),
+}
+
+/// Where the step sizes of [`FwdPassState`] come from.
+#[derive(Debug)]
+pub(crate) enum Steps {
+    /// chunk_cumsum's outputs: the op's third input is `dt_out`, `da_cumsum` is held here.
+    Given(Tensor),
+    /// Raw `dt [B,L,H]` (the op's third input, rows possibly spaced) and `a [H]`: the op runs
+    /// `stage` itself and leaves its `[2,B,H,L]` output (dt_out, da_cumsum) in `steps_out`.
+    Raw { a: Tensor, stage: ChunkCumsum },
+}
+
+/// The `fwd_pass_state` op on `(x, b, dt)`; the step sizes' other inputs and the initial state
+/// are held here. With `final_state`, the op also leaves the final state `[B,H,P,N]` there as a
+/// contiguous storage of its own (no strided copy out of the states afterwards).
 #[derive(Debug)]
 pub(crate) struct FwdPassState {
-    pub da_cumsum: Tensor,
+    pub steps: Steps,
+    pub steps_out: Slot,
     pub init_state: Option<Tensor>,
     pub dims: SsdDims,
     pub chunk_size: usize,
@@ -58,17 +83,31 @@ impl CustomOp3 for FwdPassState {
         let pn = headdim * dstate;
         let x = cpu::f32_view(op, "x", x_s, x_l)?;
         let b = cpu::f32_view(op, "b", b_s, b_l)?;
-        let dt = cpu::f32_view(op, "dt_out", dt_s, dt_l)?;
-        let held = (
-            cpu::Held::new(&self.da_cumsum),
-            self.init_state.as_ref().map(cpu::Held::new),
-        );
-        let da = held.0.f32(op, "da_cumsum")?;
-        let init = held
-            .1
-            .as_ref()
-            .map(|h| h.f32(op, "init_state"))
-            .transpose()?;
+        let init = self.init_state.as_ref().map(cpu::Held::new);
+        let init = init.as_ref().map(|h| h.f32(op, "init_state")).transpose()?;
+        // dt_out and da_cumsum: given, or stage 1 run here (its output also left for the caller).
+        let steps = match &self.steps {
+            Steps::Given(da_cumsum) => CpuSteps::Given(cpu::Held::new(da_cumsum)),
+            Steps::Raw { a, stage } => {
+                let (guard, a_l) = a.storage_and_layout();
+                let (both, _) = stage.cpu_fwd(dt_s, dt_l, cpu::cpu(op, "a", &guard)?, a_l)?;
+                self.steps_out.put(op, Storage::Cpu(both.clone()))?;
+                CpuSteps::Raw(both)
+            }
+        };
+        let (dt, da) = match &steps {
+            CpuSteps::Given(h) => (
+                cpu::f32_view(op, "dt_out", dt_s, dt_l)?,
+                h.f32(op, "da_cumsum")?,
+            ),
+            CpuSteps::Raw(both) => {
+                let n = batch * nheads * seqlen;
+                match cpu::f32_view(op, "steps", both, &Layout::contiguous(2 * n))? {
+                    Cow::Borrowed(v) => (Cow::Borrowed(&v[..n]), Cow::Borrowed(&v[n..])),
+                    Cow::Owned(v) => (Cow::Owned(v[..n].to_vec()), Cow::Owned(v[n..].to_vec())),
+                }
+            }
+        };
 
         let mut states = vec![0f32; batch * nheads * (nchunks + 1) * pn];
         states
@@ -159,26 +198,6 @@ pub fn fwd_pass_state(
     chunk_size: usize,
     state_dtype: DType,
 ) -> Result<Tensor> {
-    let args = (x, b, dt_out, da_cumsum, init_state);
-    Ok(states_and_final(args, chunk_size, state_dtype, false)?.0)
-}
-
-/// [`fwd_pass_state`]'s inputs: x, b, dt_out, da_cumsum, init_state.
-pub(crate) type StateArgs<'a> = (
-    &'a Tensor,
-    &'a Tensor,
-    &'a Tensor,
-    &'a Tensor,
-    Option<&'a Tensor>,
-);
-
-/// [`fwd_pass_state`], and with `with_final` also the final state `[B,H,P,N]` as its own tensor.
-pub(crate) fn states_and_final(
-    (x, b, dt_out, da_cumsum, init_state): StateArgs,
-    chunk_size: usize,
-    state_dtype: DType,
-    with_final: bool,
-) -> Result<(Tensor, Option<Tensor>)> {
     let op = "fwd_pass_state";
     let dims = SsdDims::values(op, x, b)?;
     dims.per_token(op, "dt_out", dt_out, x)?;
@@ -186,10 +205,56 @@ pub(crate) fn states_and_final(
     if let Some(s) = init_state {
         dims.state(op, "init_state", s, x)?;
     }
+    let steps = Steps::Given(da_cumsum.contiguous()?);
+    let stage = stage(dims, steps, init_state, chunk_size, state_dtype, false)?;
+    x.contiguous()?
+        .apply_op3_no_bwd(&b.contiguous()?, &dt_out.contiguous()?, &stage)
+}
+
+/// Stages 1 and 2 of [`crate::ssd`] in one op, from raw `dt [B,L,H]` and `a [H]` (checked by
+/// the caller): `(states, final state, dt_out, da_cumsum)`.
+pub(crate) fn steps_and_states(
+    (x, b, dt, a, init_state): (&Tensor, &Tensor, &Tensor, &Tensor, Option<&Tensor>),
+    cumsum: ChunkCumsum,
+    state_dtype: DType,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let op = "fwd_pass_state";
+    let dims = SsdDims::values(op, x, b)?;
+    let chunk_size = cumsum.chunk_size;
+    let steps = Steps::Raw {
+        a: a.contiguous()?,
+        stage: cumsum,
+    };
+    let stage = stage(dims, steps, init_state, chunk_size, state_dtype, true)?;
+    let states =
+        x.contiguous()?
+            .apply_op3_no_bwd(&b.contiguous()?, &check::rows_view(dt)?, &stage)?;
+    let (bsz, h, l) = (dims.batch, dims.nheads, dims.seqlen);
+    let both = stage
+        .steps_out
+        .take(op, "dt_out and da_cumsum", (2, bsz, h, l))?;
+    let last = stage
+        .final_state
+        .ok_or_else(|| candle_core::Error::Msg(format!("{op}: no final state was asked for")))?
+        .take(op, "final state", (bsz, h, dims.headdim, dims.dstate))?;
+    Ok((states, last, both.get(0)?, both.get(1)?))
+}
+
+/// The op for `dims` after the checks every caller shares.
+fn stage(
+    dims: SsdDims,
+    steps: Steps,
+    init_state: Option<&Tensor>,
+    chunk_size: usize,
+    state_dtype: DType,
+    with_final: bool,
+) -> Result<FwdPassState> {
+    let op = "fwd_pass_state";
     check::chunk_size(op, chunk_size)?;
     check::state_dtype(op, "state_dtype", state_dtype)?;
-    let stage = FwdPassState {
-        da_cumsum: da_cumsum.contiguous()?,
+    Ok(FwdPassState {
+        steps,
+        steps_out: Slot::default(),
         init_state: init_state
             .map(|s| s.to_dtype(state_dtype)?.contiguous())
             .transpose()?,
@@ -197,14 +262,5 @@ pub(crate) fn states_and_final(
         chunk_size,
         state_dtype,
         final_state: with_final.then(Slot::default),
-    };
-    let states =
-        x.contiguous()?
-            .apply_op3_no_bwd(&b.contiguous()?, &dt_out.contiguous()?, &stage)?;
-    let shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
-    let last = match stage.final_state {
-        Some(slot) => Some(slot.take(op, "final state", shape)?),
-        None => None,
-    };
-    Ok((states, last))
+    })
 }

@@ -2,10 +2,14 @@
 //! fwd_pass_state as a pair (every chunk's own state in parallel, then the scan across chunks)
 //! when P % 32 == 0, N % 16 == 0 and the chunk is at most 512, compute_out when P % 32 == 0, N is
 //! one of 16, 32, 64, 128, 256 and the chunk a power of two up to 256, both with 16-byte
-//! aligned tiles; everything else — f32, odd sizes or views — on the SIMT kernels.
+//! aligned tiles; everything else — f32, odd sizes or views — on the SIMT kernels. Inside `ssd`,
+//! fwd_pass_state also does stage 1: in the first kernel of the pair (raw dt of the values' type,
+//! up to `FUSE_PROGRAMS_PER_SM` programs per SM), else by the chunk_cumsum kernel before it.
+
+use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
 
 use super::{
@@ -15,7 +19,7 @@ use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
 use crate::check::SsdDims;
 use crate::chunk_cumsum::ChunkCumsum;
 use crate::compute_out::ComputeOut;
-use crate::fwd_pass_state::FwdPassState;
+use crate::fwd_pass_state::{FwdPassState, Steps};
 use crate::ssd_step::SsdStep;
 
 /// The dimensions as the SSD kernels read them.
@@ -53,6 +57,17 @@ impl KDims {
     }
 }
 
+/// `dt [B,L,H]`'s dimensions.
+fn dt_dims(name: &str, dt_l: &Layout) -> Result<(usize, usize, usize)> {
+    let &[batch, seqlen, nheads] = dt_l.dims() else {
+        bail!(
+            "{name}: dt must have rank 3 [B, L, H], got {:?}",
+            dt_l.dims()
+        )
+    };
+    Ok((batch, seqlen, nheads))
+}
+
 pub(crate) fn chunk_cumsum(
     op: &ChunkCumsum,
     dt_s: &CudaStorage,
@@ -61,29 +76,34 @@ pub(crate) fn chunk_cumsum(
     a_l: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
     let name = "chunk_cumsum";
-    let &[batch, seqlen, nheads] = dt_l.dims() else {
-        bail!(
-            "{name}: dt must have rank 3 [B, L, H], got {:?}",
-            dt_l.dims()
-        )
-    };
+    let (batch, seqlen, nheads) = dt_dims(name, dt_l)?;
     let dev = &dt_s.device;
     let stream = dev.cuda_stream();
-    let out = alloc(dev, DType::F32, 2 * batch * nheads * seqlen)?;
+    let len = 2 * batch * nheads * seqlen;
+    let out = alloc(dev, DType::F32, len)?;
+    let (a_p, _g) = ptr(name, "a", a_s, a_l, &stream)?;
+    let out_p = ptr(name, "out", &out, &Layout::contiguous(len), &stream)?.0;
+    launch_cumsum(op, dt_s, dt_l, a_p, out_p, &stream)?;
+    Ok((out, Shape::from((2, batch, nheads, seqlen))))
+}
+
+/// The chunk_cumsum kernel from `dt` (rows possibly spaced) and `a` at `a_p` into the
+/// `[2,B,H,L]` f32 buffer at `out_p`.
+fn launch_cumsum(
+    op: &ChunkCumsum,
+    dt_s: &CudaStorage,
+    dt_l: &Layout,
+    a_p: u64,
+    out_p: u64,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    let name = "chunk_cumsum";
+    let (batch, seqlen, nheads) = dt_dims(name, dt_l)?;
     let bias = op.dt_bias.as_ref().map(Held::new);
-    let (dt_p, dt_stride, _g1) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
-    let (a_p, _g2) = ptr(name, "a", a_s, a_l, &stream)?;
-    let bias_p = opt_ptr(name, "dt_bias", &bias, &stream)?;
-    let out_p = ptr(
-        name,
-        "out",
-        &out,
-        &Layout::contiguous(2 * batch * nheads * seqlen),
-        &stream,
-    )?
-    .0;
+    let (dt_p, dt_stride, _g) = rows_ptr(name, "dt", dt_s, dt_l, stream)?;
+    let bias_p = opt_ptr(name, "dt_bias", &bias, stream)?;
     let f = function(
-        &stream,
+        stream,
         CHUNK_CUMSUM,
         &format!("chunk_cumsum_{}", dtype_name(name, dt_s.dtype())?),
     )?;
@@ -96,15 +116,31 @@ pub(crate) fn chunk_cumsum(
     let (softplus, lo, hi) = (op.dt_softplus as i32, op.dt_limit.0, op.dt_limit.1);
     let (b, l, h, c) = (i(batch)?, i(seqlen)?, i(nheads)?, i(op.chunk_size)?);
     launch(
-        &stream,
+        stream,
         &f,
         cfg(grid, (32, warps as u32, 1), 0),
         &[
             &dt_p, &a_p, &bias_p, &out_p, &b, &l, &h, &c, &softplus, &lo, &hi, &dt_stride,
         ],
-    )?;
-    Ok((out, Shape::from((2, batch, nheads, seqlen))))
+    )
 }
+
+/// Stage 1's pointers and options as chunk_state_mma's `_cs` form reads them (its `Steps`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KSteps {
+    dt: u64,
+    a: u64,
+    bias: u64,
+    out: u64,
+    dt_stride: i64,
+    softplus: i32,
+    lo: f32,
+    hi: f32,
+}
+// SAFETY: plain old data laid out as the kernel's `Steps` struct (four pointers, a long, an int,
+// two floats).
+unsafe impl DeviceRepr for KSteps {}
 
 pub(crate) fn fwd_pass_state(
     op: &FwdPassState,
@@ -123,12 +159,28 @@ pub(crate) fn fwd_pass_state(
     let nchunks = d.nchunks(chunk);
     let total = d.batch * d.nheads * (nchunks + 1) * d.headdim * d.dstate;
     let out = alloc(dev, op.state_dtype, total)?;
-    let da = Held::new(&op.da_cumsum);
     let init = op.init_state.as_ref().map(Held::new);
     let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
     let (b_p, _g2) = ptr(name, "b", b_s, b_l, &stream)?;
-    let (dt_p, _g3) = ptr(name, "dt_out", dt_s, dt_l, &stream)?;
-    let da_p = da.ptr(name, "da_cumsum", &stream)?;
+    // The step sizes: dt_out and da_cumsum given, or stage 1's buffer [2,B,H,L] made here (by
+    // chunk_state_mma's `_cs` form below, else by the chunk_cumsum kernel first).
+    let bhl = d.batch * d.nheads * d.seqlen;
+    let steps = match &op.steps {
+        Steps::Given(da) => StepsIn::Given(Held::new(da)),
+        Steps::Raw { a, stage } => {
+            StepsIn::Raw(alloc(dev, DType::F32, 2 * bhl)?, Held::new(a), stage)
+        }
+    };
+    let (dt_p, da_p, steps_guard) = match &steps {
+        StepsIn::Given(da) => {
+            let (p, g) = ptr(name, "dt_out", dt_s, dt_l, &stream)?;
+            (p, da.ptr(name, "da_cumsum", &stream)?, g)
+        }
+        StepsIn::Raw(buf, ..) => {
+            let (p, g) = ptr(name, "steps", buf, &Layout::contiguous(2 * bhl), &stream)?;
+            (p, p + 4 * bhl as u64, g)
+        }
+    };
     let init_p = opt_ptr(name, "init_state", &init, &stream)?;
     let out_p = ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0;
     // The final state's own storage, written with slot C when the caller asked for it.
@@ -153,23 +205,53 @@ pub(crate) fn fwd_pass_state(
         let ptrs = [x_p, b_p, init_p];
         let pair = chunk_state_tile(&d, chunk, op.state_dtype.size_in_bytes(), &ptrs, max);
         if let Some((warps, nt, smem)) = pair {
-            // Every chunk's own contribution in parallel, then the scan across chunks.
-            let f = function(
-                &stream,
-                FWD_PASS_STATE,
-                &format!("chunk_state_mma_{t}_{s}_w{warps}_n{nt}"),
-            )?;
+            // Every chunk's own contribution in parallel (stage 1 on the way when the step sizes
+            // are raw dt of the values' type), then the scan across chunks.
             let grid = (
                 (d.batch * d.nheads * nchunks) as u32,
                 (d.dstate / nt) as u32,
                 (d.headdim / (16 * warps)) as u32,
             );
-            launch(
-                &stream,
-                &f,
-                cfg(grid, (32 * warps as u32, 1, 1), smem),
-                &[&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
-            )?;
+            let launch_cfg = cfg(grid, (32 * warps as u32, 1, 1), smem);
+            let programs = (grid.0 * grid.1 * grid.2) as usize;
+            let fuse = dt_s.dtype() == x_s.dtype()
+                && programs <= FUSE_PROGRAMS_PER_SM * sm_count(&stream)?;
+            match &steps {
+                StepsIn::Raw(_, a, stage) if fuse => {
+                    let bias = stage.dt_bias.as_ref().map(Held::new);
+                    let (dt_raw, dt_stride, _g) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
+                    let ks = KSteps {
+                        dt: dt_raw,
+                        a: a.ptr(name, "a", &stream)?,
+                        bias: opt_ptr(name, "dt_bias", &bias, &stream)?,
+                        out: dt_p,
+                        dt_stride,
+                        softplus: stage.dt_softplus as i32,
+                        lo: stage.dt_limit.0,
+                        hi: stage.dt_limit.1,
+                    };
+                    let f = function(
+                        &stream,
+                        FWD_PASS_STATE,
+                        &format!("chunk_state_mma_cs_{t}_{s}_w{warps}_n{nt}"),
+                    )?;
+                    launch(&stream, &f, launch_cfg, &[&x_p, &b_p, &out_p, &kd, &ks])?;
+                }
+                _ => {
+                    stage_one(&steps, dt_s, dt_l, dt_p, &stream)?;
+                    let f = function(
+                        &stream,
+                        FWD_PASS_STATE,
+                        &format!("chunk_state_mma_{t}_{s}_w{warps}_n{nt}"),
+                    )?;
+                    launch(
+                        &stream,
+                        &f,
+                        launch_cfg,
+                        &[&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
+                    )?;
+                }
+            }
             let f = function(&stream, FWD_PASS_STATE, &format!("state_scan_{s}"))?;
             let grid = ((d.headdim * d.dstate / 8).div_ceil(256) as u32, bh, 1);
             launch(
@@ -178,10 +260,12 @@ pub(crate) fn fwd_pass_state(
                 cfg(grid, (256, 1, 1), 0),
                 &[&da_p, &init_p, &out_p, &last_p, &kd],
             )?;
-            put_final(op, last)?;
+            drop(steps_guard);
+            put_outputs(op, steps, last)?;
             return Ok((out, shape));
         }
     }
+    stage_one(&steps, dt_s, dt_l, dt_p, &stream)?;
     let f = function(
         &stream,
         FWD_PASS_STATE,
@@ -194,13 +278,50 @@ pub(crate) fn fwd_pass_state(
         cfg(grid, (256, 1, 1), chunk * 4),
         &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &last_p, &kd],
     )?;
-    put_final(op, last)?;
+    drop(steps_guard);
+    put_outputs(op, steps, last)?;
     Ok((out, shape))
 }
 
-fn put_final(op: &FwdPassState, last: Option<CudaStorage>) -> Result<()> {
+/// Stage 1 runs inside chunk_state_mma (its `_cs` form) while that kernel has at most this many
+/// programs per SM (about four waves): there the launch it saves outweighs the stage-1 latency
+/// each program then carries. H200, `ssd` in a graph, fused against not (session 8 runs 7–8):
+/// −1.5 to −2.4 µs at 3–10 programs per SM (L=4096, both model layers), −1.9 to +1.3 at 31 (the
+/// seed shape, N=64), +3.7 and +6.5 µs at 62 and 124 (N=256, L=65536).
+const FUSE_PROGRAMS_PER_SM: usize = 16;
+
+/// fwd_pass_state's step sizes on the device: the held da_cumsum (dt_out is the op's input), or
+/// stage 1's buffer with the raw step sizes' `a` and options.
+enum StepsIn<'a> {
+    Given(Held<'a>),
+    Raw(CudaStorage, Held<'a>, &'a ChunkCumsum),
+}
+
+/// Stage 1 by the chunk_cumsum kernel into the buffer at `out_p`, where the step sizes are raw.
+fn stage_one(
+    steps: &StepsIn,
+    dt_s: &CudaStorage,
+    dt_l: &Layout,
+    out_p: u64,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    match steps {
+        StepsIn::Raw(_, a, stage) => {
+            let a_p = a.ptr("fwd_pass_state", "a", stream)?;
+            launch_cumsum(stage, dt_s, dt_l, a_p, out_p, stream)
+        }
+        StepsIn::Given(_) => Ok(()),
+    }
+}
+
+/// Leaves the final state and stage 1's buffer in the op's slots.
+fn put_outputs(op: &FwdPassState, steps: StepsIn, last: Option<CudaStorage>) -> Result<()> {
+    let name = "fwd_pass_state";
+    if let StepsIn::Raw(buf, ..) = steps {
+        op.steps_out.put(name, Storage::Cuda(buf))?;
+    }
     match (&op.final_state, last) {
-        (Some(slot), Some(l)) => slot.put("fwd_pass_state", Storage::Cuda(l)),
+        (Some(slot), Some(l)) => slot.put(name, Storage::Cuda(l)),
         _ => Ok(()),
     }
 }
