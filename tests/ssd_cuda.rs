@@ -295,3 +295,40 @@ fn million_token_sequence_stays_finite() -> Result<()> {
     assert!(e <= 1e-2, "final state vs cpu rel err {e:e}");
     Ok(())
 }
+
+/// `ssd` runs stage 1 inside the state pass on small grids and as its own kernel on large ones
+/// (more than 16 chunk programs per SM); on both sides of that line it gives what the public
+/// stages give in sequence, the large grid the same kernels' results exactly.
+#[test]
+fn ssd_matches_its_stages_on_small_and_large_grids() -> Result<()> {
+    let dev = gpu();
+    for (i, (batch, seqlen)) in [(1, 2048), (4, 72 * 128)].into_iter().enumerate() {
+        let mut s = spec(seqlen, 8, 1, 64, 128, 128, DType::BF16);
+        s.batch = batch;
+        s.state_dtype = DType::BF16;
+        let pb = Problem::new(&s, &mut Rng::new(8000 + i as u64), &Device::Cpu)?.to_device(&dev)?;
+        let opts = pb.options();
+        let (y, state) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &opts)?;
+        let (dt_out, da) = k::chunk_cumsum(&pb.dt, &pb.a, &opts.dt, s.chunk)?;
+        let states = k::fwd_pass_state(
+            &pb.x,
+            &pb.b,
+            &dt_out,
+            &da,
+            pb.init.as_ref(),
+            s.chunk,
+            s.state_dtype,
+        )?;
+        let y_stages = k::compute_out(
+            &pb.x, &pb.b, &pb.c, &dt_out, &da, &states, opts.d, opts.z, s.chunk,
+        )?;
+        let last = states.i((.., .., states.dim(2)? - 1))?;
+        let tol = if i == 0 { 1e-2 } else { 0.0 };
+        let (ey, es) = (rel_err(&y, &y_stages)?, rel_err(&state, &last)?);
+        assert!(
+            ey <= tol && es <= tol,
+            "B={batch} L={seqlen}: y {ey:e}, state {es:e}"
+        );
+    }
+    Ok(())
+}
