@@ -13,7 +13,8 @@ use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
 
 use super::{
-    alloc, cfg, dtype_name, function, i, launch, max_smem, opt_ptr, ptr, rows_ptr, sm_count, Held,
+    alloc, cfg, dtype_name, function, i, launch, max_smem, opt_ptr, ptr, rows_ptr, sm_count, Arg,
+    Held,
 };
 use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
 use crate::check::SsdDims;
@@ -216,10 +217,12 @@ pub(crate) fn fwd_pass_state(
             let programs = (grid.0 * grid.1 * grid.2) as usize;
             let fuse = dt_s.dtype() == x_s.dtype()
                 && programs <= FUSE_PROGRAMS_PER_SM * sm_count(&stream)?;
-            match &steps {
+            // Stage 1's pointers for the `_cs` form (with the guards of what they address), or
+            // stage 1 by its own kernel first.
+            let fused = match &steps {
                 StepsIn::Raw(_, a, stage) if fuse => {
                     let bias = stage.dt_bias.as_ref().map(Held::new);
-                    let (dt_raw, dt_stride, _g) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
+                    let (dt_raw, dt_stride, guard) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
                     let ks = KSteps {
                         dt: dt_raw,
                         a: a.ptr(name, "a", &stream)?,
@@ -230,28 +233,26 @@ pub(crate) fn fwd_pass_state(
                         lo: stage.dt_limit.0,
                         hi: stage.dt_limit.1,
                     };
-                    let f = function(
-                        &stream,
-                        FWD_PASS_STATE,
-                        &format!("chunk_state_mma_cs_{t}_{s}_w{warps}_n{nt}"),
-                    )?;
-                    launch(&stream, &f, launch_cfg, &[&x_p, &b_p, &out_p, &kd, &ks])?;
+                    Some((ks, bias, guard))
                 }
                 _ => {
                     stage_one(&steps, dt_s, dt_l, dt_p, &stream)?;
-                    let f = function(
-                        &stream,
-                        FWD_PASS_STATE,
-                        &format!("chunk_state_mma_{t}_{s}_w{warps}_n{nt}"),
-                    )?;
-                    launch(
-                        &stream,
-                        &f,
-                        launch_cfg,
-                        &[&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
-                    )?;
+                    None
                 }
-            }
+            };
+            let (kernel, args): (_, Vec<&dyn Arg>) = match &fused {
+                Some((ks, ..)) => ("chunk_state_mma_cs", vec![&x_p, &b_p, &out_p, &kd, ks]),
+                None => (
+                    "chunk_state_mma",
+                    vec![&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
+                ),
+            };
+            let f = function(
+                &stream,
+                FWD_PASS_STATE,
+                &format!("{kernel}_{t}_{s}_w{warps}_n{nt}"),
+            )?;
+            launch(&stream, &f, launch_cfg, &args)?;
             let f = function(&stream, FWD_PASS_STATE, &format!("state_scan_{s}"))?;
             let grid = ((d.headdim * d.dstate / 8).div_ceil(256) as u32, bh, 1);
             launch(
