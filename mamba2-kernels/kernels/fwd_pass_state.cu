@@ -74,12 +74,6 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
   if (live && last) last[bh * pn + e] = m2::from_f<S>(state);
 }
 
-// One chunk's own contribution to the state, local_c = Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ,
-// written to slot c + 1 of `states` (state_scan turns the slots into entry states in place).
-// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async into
-// swizzled tiles (m2::swz), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
-// w_s = exp2(d_last − d_s)·dt_s applied to x's fragments in registers; the tile leaves through
-// shared memory as 16-byte rows.
 // Stage 1 for one chunk inside chunk_state_mma (THREADS threads): thread t takes tokens
 // [t·q, t·q + q), q = ⌈len / THREADS⌉. raw_steps loads their raw dt into tv (first thing, so that
 // the loads do not queue behind the tile copies); chunk_steps turns tv[k] into the processed dt
@@ -142,6 +136,12 @@ __device__ __forceinline__ float chunk_steps(const Steps& st, int b, int h, int 
   return last;
 }
 
+// One chunk's own contribution to the state, local_c = Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ,
+// written to slot c + 1 of `states` (state_scan turns the slots into entry states in place).
+// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async into
+// swizzled tiles (m2::swz), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
+// w_s = exp2(d_last − d_s)·dt_s applied to x's fragments in registers; the tile leaves through
+// shared memory as 16-byte rows.
 // CS: the `_cs` form (stage 1 from `steps`; dt and da unused), else dt/da from chunk_cumsum.
 template <typename T, typename S, int WARPS, int NT, bool CS>
 __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
