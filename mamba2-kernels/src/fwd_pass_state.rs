@@ -85,14 +85,17 @@ impl CustomOp3 for FwdPassState {
         let b = cpu::f32_view(op, "b", b_s, b_l)?;
         let init = self.init_state.as_ref().map(cpu::Held::new);
         let init = init.as_ref().map(|h| h.f32(op, "init_state")).transpose()?;
-        // dt_out and da_cumsum: given, or stage 1 run here (its output also left for the caller).
+        // dt_out and da_cumsum: given, or stage 1 run here (its output left for the caller at the
+        // end).
         let steps = match &self.steps {
             Steps::Given(da_cumsum) => CpuSteps::Given(cpu::Held::new(da_cumsum)),
             Steps::Raw { a, stage } => {
                 let (guard, a_l) = a.storage_and_layout();
-                let (both, _) = stage.cpu_fwd(dt_s, dt_l, cpu::cpu(op, "a", &guard)?, a_l)?;
-                self.steps_out.put(op, Storage::Cpu(both.clone()))?;
-                CpuSteps::Raw(both)
+                CpuSteps::Raw(
+                    stage
+                        .cpu_fwd(dt_s, dt_l, cpu::cpu(op, "a", &guard)?, a_l)?
+                        .0,
+                )
             }
         };
         let (dt, da) = match &steps {
@@ -166,6 +169,10 @@ impl CustomOp3 for FwdPassState {
                 .copied()
                 .collect();
             slot.put(op, Storage::Cpu(cpu::from_f32(last, self.state_dtype)?))?;
+        }
+        drop((dt, da));
+        if let CpuSteps::Raw(both) = steps {
+            self.steps_out.put(op, Storage::Cpu(both))?;
         }
         let shape = Shape::from((batch, nheads, nchunks + 1, headdim, dstate));
         Ok((cpu::from_f32(states, self.state_dtype)?, shape))
