@@ -45,18 +45,9 @@ fn check(spec: &Spec, seed: u64) -> Result<f64> {
         Ok(())
     };
 
-    let (dt_out, da) = k::chunk_cumsum(&pb.dt, &pb.a, &opts.dt, spec.chunk)?;
+    let (dt_out, da, states) = stages(&pb, spec)?;
     expect("chunk_cumsum dt_out", &dt_out, &want.dt_out, 1e-5)?;
     expect("chunk_cumsum da_cumsum", &da, &want.da_cumsum, 1e-5)?;
-    let states = k::fwd_pass_state(
-        &pb.x,
-        &pb.b,
-        &dt_out,
-        &da,
-        pb.init.as_ref(),
-        spec.chunk,
-        spec.state_dtype,
-    )?;
     expect("fwd_pass_state", &states, &want.chunk_states, tol)?;
     let ref_states = want
         .chunk_states
@@ -83,6 +74,21 @@ fn check(spec: &Spec, seed: u64) -> Result<f64> {
     expect("ssd y vs cpu", &y, &y_cpu, tol)?;
     expect("ssd state vs cpu", &state, &s_cpu, tol)?;
     Ok(worst)
+}
+
+/// The public stages 1 and 2 on `pb`: (dt_out, da_cumsum, chunk states).
+fn stages(pb: &Problem, spec: &Spec) -> Result<(Tensor, Tensor, Tensor)> {
+    let (dt_out, da) = k::chunk_cumsum(&pb.dt, &pb.a, &pb.options().dt, spec.chunk)?;
+    let states = k::fwd_pass_state(
+        &pb.x,
+        &pb.b,
+        &dt_out,
+        &da,
+        pb.init.as_ref(),
+        spec.chunk,
+        spec.state_dtype,
+    )?;
+    Ok((dt_out, da, states))
 }
 
 fn spec(
@@ -309,16 +315,7 @@ fn ssd_matches_its_stages_on_small_and_large_grids() -> Result<()> {
         let pb = Problem::new(&s, &mut Rng::new(8000 + i as u64), &Device::Cpu)?.to_device(&dev)?;
         let opts = pb.options();
         let (y, state) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &opts)?;
-        let (dt_out, da) = k::chunk_cumsum(&pb.dt, &pb.a, &opts.dt, s.chunk)?;
-        let states = k::fwd_pass_state(
-            &pb.x,
-            &pb.b,
-            &dt_out,
-            &da,
-            pb.init.as_ref(),
-            s.chunk,
-            s.state_dtype,
-        )?;
+        let (dt_out, da, states) = stages(&pb, &s)?;
         let y_stages = k::compute_out(
             &pb.x, &pb.b, &pb.c, &dt_out, &da, &states, opts.d, opts.z, s.chunk,
         )?;
