@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (see ../shared/gpu/README.md), after `bash bench/pack_gpu.sh` here:
 # SASS check of the kernels, the SSD and model benchmarks, `generate --device cuda`, then the CUDA
-# tests; optionally the shipped model's training alongside the tests.
+# tests (ssd_cuda a second time on the cp.async path); optionally the shipped model's training alongside the tests.
 #   bash bench/device_run.sh [TRAIN_MINUTES]        (default 0: no training)
 # Logs go to $OUT: kernels.log, model.log, tests.log (and train.log with the weights bundle).
 set -uo pipefail
@@ -44,6 +44,12 @@ for t in ${TESTS:-ssd_cuda ssd_errors model_cuda}; do
   RUST_BACKTRACE=1 timeout 300 ".gpu/$t" --test-threads 1 --nocapture >> "$OUT/tests.log" 2>&1
   echo "$t rc=$?" | tee -a "$OUT/tests.log"
 done
+# The cp.async path (sm_80's) on this GPU too.
+if [[ -x .gpu/ssd_cuda ]]; then
+  echo "== ssd_cuda with MAMBA2_NO_TMA=1" >> "$OUT/tests.log"
+  MAMBA2_NO_TMA=1 RUST_BACKTRACE=1 timeout 300 .gpu/ssd_cuda --test-threads 1 --nocapture >> "$OUT/tests.log" 2>&1
+  echo "ssd_cuda (MAMBA2_NO_TMA=1) rc=$?" | tee -a "$OUT/tests.log"
+fi
 if [[ -n $train_pid ]]; then
   wait "$train_pid"
   echo "train rc=$?"

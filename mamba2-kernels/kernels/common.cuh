@@ -110,6 +110,57 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// ---- TMA (sm_90+): tiles copied by tensor map, completing on an mbarrier ----
+// A CUtensorMap as the driver encodes it (cuTensorMapEncodeTiled), passed by value as a
+// __grid_constant__ kernel parameter. With the map's swizzle equal to the tile's row bytes (32,
+// 64 or 128), a box lands exactly as `swz` lays out rows of that many bytes, provided the
+// destination is 1024-byte aligned.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+// One-shot mbarrier (phase 0) expecting `count` arrivals; made visible to the copy engine.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Orders this thread's earlier shared-memory accesses before its later tensor-map copies.
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Arrives on `bar`, announcing `bytes` more to come by copies that complete on it.
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+// Waits until phase `phase` of `bar` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned phase) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(phase)
+      : "memory");
+#endif
+}
+// The box of `map` at (c0, c1, c2) (innermost first) into shared memory at `dst`; rows outside
+// the tensor arrive as zeros.
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
+                                            uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+
 // ---- tensor cores: ldmatrix and mma.sync m16n8k16 (bf16/f16 in, f32 accumulate) ----
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t s) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

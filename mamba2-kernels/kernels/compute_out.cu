@@ -10,10 +10,11 @@
 //      (rb, kb ≤ rb) once, rounded to T in the A-fragment layout (a uint4 per lane and block,
 //      read back only by the lane that wrote it), and the per-token decay factors of every head
 //      are computed once (ws, es below).
-//   1. The (head, P-tile) units stream through two buffers (x tile, state tile) by cp.async: unit
-//      u+1 loads while unit u computes, one barrier per unit. Per unit and warp: Y = C·hᵀ from the
-//      register fragments; then for every column block kb ≤ rb the stored C·Bᵀ block is scaled
-//      in registers and becomes the A operand of Y += S·X; + D·x, · silu(z).
+//   1. The (head, P-tile) units stream through two buffers (x tile, state tile) by cp.async, or
+//      (`_tma` forms, sm_90+) by tensor-map copies from one thread completing on an mbarrier per
+//      buffer: unit u+1 loads while unit u computes, one barrier per unit. Per unit and warp:
+//      Y = C·hᵀ from the register fragments; then for every column block kb ≤ rb the stored C·Bᵀ
+//      block is scaled in registers and becomes the A operand of Y += S·X; + D·x, · silu(z).
 //   Off the diagonal (kb < rb, r0 = 16·rb, e = 16·kb + 15, so s ≤ e < r0 ≤ t) the decay factors
 //   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) is
 //   per row and scales the sum of C·hᵀ (times exp2(d_r0)) and those blocks at once, the middle
@@ -67,32 +68,42 @@ __device__ __forceinline__ float2 unpack(uint32_t v) {
 
 // Shared memory of compute_out_mma in bytes (the launcher's `mma_smem` computes the same):
 // cb [W(W+1)/2 blocks][32 lanes] uint4 | sc [HB][4][chunk] f32 (d, dt, ws, es) | dk [HB][P] f32
-// (D per channel, 0 without D) | a region that holds c [chunk][N] and b [chunk][N] first, then
-// two unit buffers, each x [chunk][PT] and the state tile [PT][N]; the tiles are swizzled
-// (m2::swz), not padded.
+// (D per channel, 0 without D) | from the next multiple of 1024 bytes, a region that holds
+// c [chunk][N] and b [chunk][N] first, then two unit buffers, each x [chunk][PT] and the state
+// tile (load_state_tile's layout); the tiles are swizzled (m2::swz), not padded, and start at
+// multiples of 1024 bytes (the `_tma` form's swizzled copies need it; its base is aligned so).
 template <int N, int PT>
 struct Layout {
-  int cb_bytes, sc_bytes, dk_bytes, buf_elems;
+  int cb_bytes, sc_bytes, dk_bytes, region, buf_elems;
   __device__ Layout(int chunk, int hb, int p)
       : cb_bytes((chunk / 16) * (chunk / 16 + 1) / 2 * 512), sc_bytes(hb * 4 * chunk * 4),
-        dk_bytes(hb * p * 4), buf_elems(chunk * PT + PT * N) {}
+        dk_bytes(hb * p * 4), region((cb_bytes + sc_bytes + dk_bytes + 1023) / 1024 * 1024),
+        buf_elems(chunk * PT + PT * N) {}
 };
 
-template <typename T, typename S, int N, int PT>
+// TMA: the unit tiles come by tensor map (x: channels, tokens, batch; the states as rows of N
+// by all their other indices), issued by one thread, completing on an mbarrier per buffer.
+template <typename T, typename S, int N, int PT, bool TMA>
 __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const T* __restrict__ cm, const float* __restrict__ dt,
                                 const float* __restrict__ da, const S* __restrict__ states,
                                 const float* __restrict__ dskip, const T* __restrict__ z,
-                                T* __restrict__ y, Dims D) {
-  constexpr int KS = N / 16, NJ = PT / 8, NB = N * 2, XB = PT * 2;  // NB, XB: row bytes
+                                T* __restrict__ y, Dims D, const m2::TensorMap* tx,
+                                const m2::TensorMap* th) {
+  constexpr int KS = N / 16, NJ = PT / 8, NB = N * 2, XB = PT * 2;  // NB, XB: c/b and x row bytes
+  // The state tile: N / HC column blocks of HC columns, each [PT][HC] swizzled (HB2-byte rows);
+  // one block (load_state_tile) or, for the tensor-map boxes, blocks of at most 64 columns.
+  constexpr int HC = TMA && N > 64 ? 64 : N, HB2 = HC * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* smem = m2::smem_aligned(smem_raw);
+  __shared__ uint64_t landed[2];  // TMA: per unit buffer, its copies have landed
+  unsigned char* smem = TMA ? smem_raw + ((1024 - (m2::smem_addr(smem_raw) & 1023)) & 1023)
+                            : m2::smem_aligned(smem_raw);
   const int chunk = D.chunk, P = D.headdim, HB = D.heads_per_block;
   const Layout<N, PT> lay(chunk, HB, P);
   uint4* cbs = reinterpret_cast<uint4*>(smem);
   float* sc = reinterpret_cast<float*>(smem + lay.cb_bytes);
   float* dk = reinterpret_cast<float*>(smem + lay.cb_bytes + lay.sc_bytes);
-  T* region = reinterpret_cast<T*>(smem + lay.cb_bytes + lay.sc_bytes + lay.dk_bytes);
+  T* region = reinterpret_cast<T*>(smem + lay.region);
 
   const int c = blockIdx.x, b = blockIdx.z;
   const int h_first = blockIdx.y * HB;
@@ -175,30 +186,47 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   // Only the first half of the warps (the rows with the fewest column blocks) issue the unit
   // loads.
   const int loaders = threads / 2;
-  const T* x_chunk = x + tok0 * hp;
   // Unit u is (head u / ptiles, P-tile u % ptiles).
+  if (TMA && tid == 0) {
+    m2::mbar_init(&landed[0], 1);
+    m2::mbar_init(&landed[1], 1);
+  }
   auto load_unit = [&](int u) {
-    if (tid >= loaders) return;
     T* xs = buf_of(u);
     const int h = h_first + u / ptiles, p0 = (u % ptiles) * PT;
-    m2::load_tile<PT>(xs, x_chunk + h * P + p0, static_cast<uint32_t>(hp), chunk, len, tid, loaders);
     const size_t bh = static_cast<size_t>(b) * D.nheads + h;
-    const S* st = states + ((bh * (D.nchunks + 1)) + c) * static_cast<size_t>(P) * N +
-                  static_cast<size_t>(p0) * N;
-    load_state_tile<T, S, PT, N>(xs + chunk * PT, st, tid, loaders);
-    m2::cp_async_commit();
+    if constexpr (TMA) {
+      if (tid != 0) return;
+      uint64_t* bar = &landed[u % 2];
+      m2::fence_proxy_async();
+      m2::mbar_expect(bar, (chunk * PT + PT * N) * 2);
+      m2::tma_load_3d(xs, tx, h * P + p0, l0, b, bar);
+      const int row = static_cast<int>((bh * (D.nchunks + 1) + c) * P + p0);
+#pragma unroll
+      for (int k = 0; k < N / HC; ++k)
+        m2::tma_load_3d(xs + chunk * PT + k * PT * HC, th, k * HC, row, 0, bar);
+    } else {
+      if (tid >= loaders) return;
+      m2::load_tile<PT>(xs, x + tok0 * hp + h * P + p0, static_cast<uint32_t>(hp), chunk, len, tid,
+                        loaders);
+      const S* st = states + ((bh * (D.nchunks + 1)) + c) * static_cast<size_t>(P) * N +
+                    static_cast<size_t>(p0) * N;
+      load_state_tile<T, S, PT, N>(xs + chunk * PT, st, tid, loaders);
+      m2::cp_async_commit();
+    }
   };
 
   // Each lane's ldmatrix row addresses (bytes, relative to a tile) in the state tile (C·hᵀ) and
   // the x tile (S·X), and its first output row t_lo in the x tile (D·x).
-  const uint32_t h_lane = m2::swz<NB>((lane / 16) * 8 + (lane % 8), (lane / 8) % 2) * 2;
+  const uint32_t h_lane = m2::swz<HB2>((lane / 16) * 8 + (lane % 8), (lane / 8) % 2) * 2;
   const uint32_t x_lane = m2::swz<XB>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
   const uint32_t e_lane = m2::swz<XB>(t_lo, 0) * 2 + tc * 2;
   load_unit(0);
   for (int u = 0; u < units; ++u) {
-    m2::cp_async_wait<0>();
-    __syncthreads();  // unit u has landed for all; every warp is done with unit u − 1's buffer
+    if constexpr (!TMA) m2::cp_async_wait<0>();
+    __syncthreads();  // every warp is done with unit u − 1's buffer (and, cp.async: u landed)
     if (u + 1 < units) load_unit(u + 1);
+    if constexpr (TMA) m2::mbar_wait(&landed[u % 2], (u / 2) & 1);
     if (!rows_live) continue;
     const T* xs = buf_of(u);
     const uint32_t xs_a = m2::smem_addr(xs), hl = xs_a + chunk * XB + h_lane;
@@ -212,10 +240,12 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
     float acc[NJ][4] = {};
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
+      // 16-byte chunk ks·2 of the state rows: column block ks·2 / (HC / 8) of the tile.
+      const uint32_t hk = hl + (ks * 2 / (HC / 8)) * PT * HB2;
 #pragma unroll
       for (int j = 0; j < NJ; j += 2) {
         uint32_t bf[4];
-        m2::ldsm_x4(bf, m2::swz_add<NB>(hl, ks * 2) + j * 8 * NB);
+        m2::ldsm_x4(bf, m2::swz_add<HB2>(hk, ks * 2 % (HC / 8)) + j * 8 * HB2);
         m2::Mma<T>::run(acc[j], cf[ks], bf[0], bf[1]);
         m2::Mma<T>::run(acc[j + 1], cf[ks], bf[2], bf[3]);
       }
@@ -365,11 +395,21 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
       const float *dskip, const T *z, T *y, Dims d
 
 // One warp per 16 rows of a chunk of at most 256 tokens: at most 512 threads, 128 registers.
+// The `_tma` forms (sm_90+, states of the value type) take x and the states as tensor maps.
 #define CO_MMA(T, TN, S, SN, N, PT)                                                    \
   extern "C" __global__ void __launch_bounds__(512)                                    \
       compute_out_mma_##TN##_##SN##_n##N##_p##PT(CO_ARGS(T, S)) {                     \
     m2::wait_prior_grid();                                                            \
-    compute_out_mma<T, S, N, PT>(x, b, c, dt, da, states, dskip, z, y, d);            \
+    compute_out_mma<T, S, N, PT, false>(x, b, c, dt, da, states, dskip, z, y, d, nullptr, \
+                                        nullptr);                                     \
+  }
+#define CO_MMA_TMA(T, TN, N, PT)                                                       \
+  extern "C" __global__ void __launch_bounds__(512) compute_out_mma_tma_##TN##_n##N##_p##PT( \
+      const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap th,   \
+      const T* b, const T* c, const float* dt, const float* da, const float* dskip,      \
+      const T* z, T* y, Dims d) {                                                      \
+    m2::wait_prior_grid();                                                            \
+    compute_out_mma<T, T, N, PT, true>(nullptr, b, c, dt, da, nullptr, dskip, z, y, d, &tx, &th); \
   }
 #define CO_MMA_SHAPES(T, TN, S, SN)                                                   \
   CO_MMA(T, TN, S, SN, 16, 32) CO_MMA(T, TN, S, SN, 16, 64)                           \
@@ -381,6 +421,11 @@ CO_MMA_SHAPES(__nv_bfloat16, bf16, float, f32)
 CO_MMA_SHAPES(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 CO_MMA_SHAPES(__half, f16, float, f32)
 CO_MMA_SHAPES(__half, f16, __nv_bfloat16, bf16)
+#define CO_MMA_TMA_SHAPES(T, TN)                                                      \
+  CO_MMA_TMA(T, TN, 16, 32) CO_MMA_TMA(T, TN, 16, 64) CO_MMA_TMA(T, TN, 32, 32)       \
+  CO_MMA_TMA(T, TN, 32, 64) CO_MMA_TMA(T, TN, 64, 32) CO_MMA_TMA(T, TN, 64, 64)       \
+  CO_MMA_TMA(T, TN, 128, 32) CO_MMA_TMA(T, TN, 128, 64) CO_MMA_TMA(T, TN, 256, 32)
+CO_MMA_TMA_SHAPES(__nv_bfloat16, bf16)
 
 #define CO_SIMT(T, TN, S, SN)                                                     \
   extern "C" __global__ void compute_out_simt_##TN##_##SN(CO_ARGS(T, S)) {        \

@@ -8,7 +8,8 @@
 // chunk_state_mma: every chunk's own contribution Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ, all
 //   chunks in parallel (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1; its
 //   `_cs` form takes raw dt instead and does stage 1 (chunk_cumsum.cu) on its chunk itself,
-//   writing dt_out and da_cumsum once per chunk: one launch fewer per `ssd` call;
+//   writing dt_out and da_cumsum once per chunk: one launch fewer per `ssd` call; its `_tma`
+//   forms (sm_90+) get the x and b tiles by tensor map, one thread issuing the copies;
 // state_scan: the recurrence across chunks in place, streaming the slots with 16-byte accesses.
 // fwd_pass_state_simt: any type and shape; one thread per state element, chunks in order.
 #include "common.cuh"
@@ -138,21 +139,28 @@ __device__ __forceinline__ float chunk_steps(const Steps& st, int b, int h, int 
 
 // One chunk's own contribution to the state, local_c = Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ,
 // written to slot c + 1 of `states` (state_scan turns the slots into entry states in place).
-// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async into
-// swizzled tiles (m2::swz), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
+// A program owns (batch·head·chunk, a [16·WARPS, NT] tile): x and b arrive by cp.async or TMA
+// into swizzled tiles (m2::swz), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
 // w_s = exp2(d_last − d_s)·dt_s applied to x's fragments in registers; the tile leaves through
 // shared memory as 16-byte rows.
 // CS: the `_cs` form (stage 1 from `steps`; dt and da unused), else dt/da from chunk_cumsum.
-template <typename T, typename S, int WARPS, int NT, bool CS>
+// TMA: the `_tma` form (x and b unused): the tiles come by the tensor maps `tx`, `tb`.
+template <typename T, typename S, int WARPS, int NT, bool CS, bool TMA>
 __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const float* __restrict__ dt, const float* __restrict__ da,
-                                S* __restrict__ states, Dims D, const Steps& steps) {
+                                S* __restrict__ states, Dims D, const Steps& steps,
+                                const m2::TensorMap* tx, const m2::TensorMap* tb, int box_rows) {
   constexpr int PT = 16 * WARPS, THREADS = 32 * WARPS;
+  // b's tile is NT / CB column blocks of CB columns, each [chunk][CB]: one block, or for the
+  // tensor-map boxes blocks of at most 64 columns (rows of at most 128 bytes).
+  constexpr int CB = TMA && NT > 64 ? 64 : NT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* smem = m2::smem_aligned(smem_raw);
+  __shared__ uint64_t bars[2];  // TMA: the chunk's two halves
+  unsigned char* smem = TMA ? smem_raw + ((1024 - (m2::smem_addr(smem_raw) & 1023)) & 1023)
+                            : m2::smem_aligned(smem_raw);
   const int chunk = D.chunk;
   T* xs = reinterpret_cast<T*>(smem);      // [chunk][PT], swizzled (m2::swz)
-  T* bs = xs + chunk * PT;                 // [chunk][NT], swizzled
+  T* bs = xs + chunk * PT;                 // [NT / CB][chunk][CB], swizzled
   T* ws = bs + chunk * NT;                 // [chunk]
 
   const int bhc = blockIdx.x, n0 = blockIdx.y * NT, p0 = blockIdx.z * PT;
@@ -184,21 +192,43 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
       tv[k] = i < len ? dt[row + l0 + i] : 0.f;
     }
   }
-  // The tiles arrive in two halves of the chunk (two cp.async groups): the MMAs on the first
-  // half run while the second is in flight.
+  // The tiles arrive in two halves of the chunk (two cp.async groups, or two mbarriers of
+  // tensor-map copies issued by one thread): the MMAs on the first half run while the second is
+  // in flight.
   const int half = chunk / 32 * 16;
-  const T* xg = x + tok0 * hp + static_cast<size_t>(h) * D.headdim + p0;
-  const T* bg = bm + tok0 * gn + static_cast<size_t>(g) * D.dstate + n0;
-  const uint32_t hp32 = static_cast<uint32_t>(hp), gn32 = static_cast<uint32_t>(gn);
-  m2::load_tile<PT>(xs, xg, hp32, half, len, tid, THREADS);
-  m2::load_tile<NT>(bs, bg, gn32, half, len, tid, THREADS);
-  m2::cp_async_commit();
-  const bool rest = len > half;  // else the second half is all zero-fill (from valid addresses)
-  m2::load_tile<PT>(xs + half * PT, rest ? xg + half * hp : xg, hp32, chunk - half, len - half, tid,
-                    THREADS);
-  m2::load_tile<NT>(bs + half * NT, rest ? bg + half * gn : bg, gn32, chunk - half, len - half, tid,
-                    THREADS);
-  m2::cp_async_commit();
+  if constexpr (TMA) {
+    if (tid == 0) {
+      m2::mbar_init(&bars[0], 1);
+      m2::mbar_init(&bars[1], 1);
+      const int xc = h * D.headdim + p0, bc = g * D.dstate + n0;
+      for (int part = 0; part < 2; ++part) {
+        const int r0 = part ? half : 0, rows = part ? chunk - half : half;
+        m2::mbar_expect(&bars[part], rows * (PT + NT) * 2);
+        for (int r = r0; r < r0 + rows; r += box_rows) {
+          m2::tma_load_3d(xs + r * PT, tx, xc, l0 + r, b, &bars[part]);
+#pragma unroll
+          for (int k = 0; k < NT / CB; ++k)
+            m2::tma_load_3d(bs + k * chunk * CB + r * CB, tb, bc + k * CB, l0 + r, b, &bars[part]);
+        }
+      }
+    }
+  } else {
+    const T* xg = x + tok0 * hp + static_cast<size_t>(h) * D.headdim + p0;
+    const T* bg = bm + tok0 * gn + static_cast<size_t>(g) * D.dstate + n0;
+    const uint32_t hp32 = static_cast<uint32_t>(hp), gn32 = static_cast<uint32_t>(gn);
+    const bool rest = len > half;  // else the second half is all zero-fill (from valid addresses)
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      const int r0 = part ? half : 0, rows = part ? chunk - half : half;
+      const size_t skip = part && rest ? half : 0;
+      m2::load_tile<PT>(xs + r0 * PT, xg + skip * hp, hp32, rows, len - r0, tid, THREADS);
+#pragma unroll
+      for (int k = 0; k < NT / CB; ++k)
+        m2::load_tile<CB>(bs + k * chunk * CB + r0 * CB, bg + skip * gn + k * CB, gn32, rows, len - r0,
+                          tid, THREADS);
+      m2::cp_async_commit();
+    }
+  }
   if constexpr (CS) {
     const bool store = blockIdx.y == 0 && blockIdx.z == 0;
     d_last = chunk_steps<THREADS, PER>(steps, b, h, l0, len, store, ah, bias, dv, tv, D);
@@ -214,8 +244,13 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
       if (i < chunk) ws[i] = m2::from_f<T>(i < len ? m2::exp2_fast(d_last - dv[k]) * tv[k] : 0.f);
     }
   }
-  m2::cp_async_wait<1>();
-  __syncthreads();
+  if constexpr (TMA) {
+    __syncthreads();
+    m2::mbar_wait(&bars[0], 0);
+  } else {
+    m2::cp_async_wait<1>();
+    __syncthreads();
+  }
 
   float acc[NT / 8][4];
 #pragma unroll
@@ -227,11 +262,15 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   const uint32_t a_lane =
       m2::smem_addr(xs) + m2::swz<PT * 2>((lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2) * 2;
   const uint32_t b_lane =
-      m2::smem_addr(bs) + m2::swz<NT * 2>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
+      m2::smem_addr(bs) + m2::swz<CB * 2>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
   for (int k0 = 0; k0 < len; k0 += 16) {
     if (k0 == half) {
-      m2::cp_async_wait<0>();
-      __syncthreads();
+      if constexpr (TMA) {
+        m2::mbar_wait(&bars[1], 0);
+      } else {
+        m2::cp_async_wait<0>();
+        __syncthreads();
+      }
     }
     // x's fragment holds tokens k0 + tc + {0, 1} (registers 0, 1) and k0 + tc + 8 + {0, 1}
     // (registers 2, 3): w scales them there, in registers.
@@ -246,7 +285,8 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
 #pragma unroll
     for (int j = 0; j < NT / 8; j += 2) {
       uint32_t bf[4];
-      m2::ldsm_x4_t(bf, m2::swz_add<NT * 2>(b_lane + k0 * NT * 2, j));
+      const int k = j / (CB / 8);  // the column block of n8 block j
+      m2::ldsm_x4_t(bf, m2::swz_add<CB * 2>(b_lane + (k * chunk + k0) * CB * 2, j % (CB / 8)));
       m2::Mma<T>::run(acc[j], a, bf[0], bf[1]);
       m2::Mma<T>::run(acc[j + 1], a, bf[2], bf[3]);
     }
@@ -254,7 +294,11 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   // The warp's 16 × NT block through shared memory (the x and b tiles' space, free once every warp
   // is done with them and every copy has landed), then out as 16-byte vectors: whole 32-byte
   // sectors of every row.
-  m2::cp_async_wait<0>();
+  if constexpr (TMA) {
+    m2::mbar_wait(&bars[1], 0);
+  } else {
+    m2::cp_async_wait<0>();
+  }
   __syncthreads();
   constexpr int SR = NT + PAD, V = 16 / sizeof(S);
   S* hs = reinterpret_cast<S*>(smem) + warp * 16 * SR;
@@ -343,18 +387,37 @@ FPS_SIMT(__half, f16, __nv_bfloat16, bf16)
 FPS_SIMT(__nv_bfloat16, bf16, float, f32)
 FPS_SIMT(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 
-#define CHUNK_STATE(T, TN, S, SN, W, NT)                                                     \
-  extern "C" __global__ void __launch_bounds__(32 * W)                                       \
-      chunk_state_mma_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, const float* dt,     \
-                                                 const float* da, S* states, Dims d) {       \
-    m2::wait_prior_grid();                                                                   \
-    chunk_state_mma<T, S, W, NT, false>(x, b, dt, da, states, d, Steps{});                   \
-  }                                                                                          \
-  extern "C" __global__ void __launch_bounds__(32 * W)                                       \
-      chunk_state_mma_cs_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, S* states,        \
-                                                    Dims d, Steps steps) {                   \
-    m2::wait_prior_grid();                                                                   \
-    chunk_state_mma<T, S, W, NT, true>(x, b, nullptr, nullptr, states, d, steps);            \
+// The `_tma` forms take x and b as tensor maps (3-D: channels, tokens, batch; boxes of
+// `box_rows` tokens) instead of pointers: sm_90+.
+#define CHUNK_STATE(T, TN, S, SN, W, NT)                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * W)                                         \
+      chunk_state_mma_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, const float* dt,       \
+                                                 const float* da, S* states, Dims d) {         \
+    m2::wait_prior_grid();                                                                     \
+    chunk_state_mma<T, S, W, NT, false, false>(x, b, dt, da, states, d, Steps{}, nullptr,      \
+                                               nullptr, 0);                                    \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(32 * W)                                         \
+      chunk_state_mma_cs_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, S* states,          \
+                                                    Dims d, Steps steps) {                     \
+    m2::wait_prior_grid();                                                                     \
+    chunk_state_mma<T, S, W, NT, true, false>(x, b, nullptr, nullptr, states, d, steps,        \
+                                              nullptr, nullptr, 0);                            \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(32 * W) chunk_state_mma_tma_##TN##_##SN##_w##W##_n##NT( \
+      const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tb,      \
+      int box_rows, const float* dt, const float* da, S* states, Dims d) {                     \
+    m2::wait_prior_grid();                                                                     \
+    chunk_state_mma<T, S, W, NT, false, true>(nullptr, nullptr, dt, da, states, d, Steps{},    \
+                                              &tx, &tb, box_rows);                             \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(32 * W)                                         \
+      chunk_state_mma_tma_cs_##TN##_##SN##_w##W##_n##NT(                                       \
+          const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tb,  \
+          int box_rows, S* states, Dims d, Steps steps) {                                      \
+    m2::wait_prior_grid();                                                                     \
+    chunk_state_mma<T, S, W, NT, true, true>(nullptr, nullptr, nullptr, nullptr, states, d,    \
+                                             steps, &tx, &tb, box_rows);                       \
   }
 #define CHUNK_STATE_NT(T, TN, S, SN, W)                                  \
   CHUNK_STATE(T, TN, S, SN, W, 16) CHUNK_STATE(T, TN, S, SN, W, 32)      \

@@ -137,8 +137,8 @@ fn device_max_smem(ctx: &Arc<CudaContext>) -> Result<usize> {
 struct Info {
     sms: usize,
     max_smem: usize,
-    /// Programmatic dependent launch (sm_90+).
-    dependent_launch: bool,
+    /// Programmatic dependent launch and tensor-map copies (sm_90+).
+    sm90: bool,
 }
 
 /// The stream's device's [`Info`], cached.
@@ -152,8 +152,7 @@ fn info(stream: &Arc<CudaStream>) -> Result<Info> {
     let v = Info {
         sms: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
         max_smem: device_max_smem(ctx)?,
-        dependent_launch: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?
-            >= 9,
+        sm90: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9,
     };
     lock()?.info.insert(key, v);
     Ok(v)
@@ -165,6 +164,75 @@ pub(crate) fn max_smem(stream: &Arc<CudaStream>) -> Result<usize> {
 
 pub(crate) fn sm_count(stream: &Arc<CudaStream>) -> Result<usize> {
     Ok(info(stream)?.sms)
+}
+
+/// Whether the SSD kernels copy their tiles by tensor map: on sm_90+, unless `MAMBA2_NO_TMA=1`
+/// (read once; the tests use it to run the cp.async path of sm_80 on Hopper too).
+pub(crate) fn has_tma(stream: &Arc<CudaStream>) -> Result<bool> {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("MAMBA2_NO_TMA").is_ok_and(|v| v == "1"));
+    Ok(info(stream)?.sm90 && !off)
+}
+
+/// A tensor map as a kernel parameter (`m2::TensorMap`, passed by value).
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub(crate) struct TensorMap(sys::CUtensorMap);
+// SAFETY: 128 bytes of plain data, 64-byte aligned like the kernels' `m2::TensorMap`.
+unsafe impl DeviceRepr for TensorMap {}
+
+/// The tensor map of a 3-D tensor of 2-byte values at `base` (16-byte aligned): `dims`
+/// innermost first, the outer dimensions' strides in elements (multiples of 8), boxes of
+/// `box_dims` landing with the swizzle of their row bytes (32, 64 or 128).
+pub(crate) fn tensor_map_3d(
+    base: u64,
+    dtype: DType,
+    dims: [usize; 3],
+    strides: [usize; 2],
+    box_dims: [usize; 3],
+) -> Result<TensorMap> {
+    use sys::{
+        CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
+        CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
+        CUtensorMapSwizzle as Swizzle,
+    };
+    let ty = match dtype {
+        DType::BF16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        dt => bail!("no tensor map for dtype {dt:?}"),
+    };
+    let swizzle = match box_dims[0] * 2 {
+        32 => Swizzle::CU_TENSOR_MAP_SWIZZLE_32B,
+        64 => Swizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        128 => Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        b => bail!("tensor map rows of {b} bytes (32, 64 or 128 needed)"),
+    };
+    let dims = dims.map(|d| d as u64);
+    let strides = strides.map(|s| 2 * s as u64);
+    let box_dims = box_dims.map(|b| b as u32);
+    let unit = [1u32; 3];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: the arrays outlive the call and hold rank (dims, box, element strides) or rank − 1
+    // (strides) entries; the driver only encodes them into `map`, checking the ranges.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            ty,
+            3,
+            base as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            box_dims.as_ptr(),
+            unit.as_ptr(),
+            Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+        .w()?;
+        Ok(TensorMap(map.assume_init()))
+    }
 }
 
 pub(crate) fn dtype_name(op: &str, dtype: DType) -> Result<&'static str> {
@@ -317,7 +385,7 @@ pub(crate) fn launch(
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
-        numAttrs: info(stream)?.dependent_launch as u32,
+        numAttrs: info(stream)?.sm90 as u32,
     };
     stream.context().bind_to_thread().w()?;
     // SAFETY: every kernel's parameter list matches the argument order its launcher builds,

@@ -5,6 +5,8 @@
 //! aligned tiles; everything else — f32, odd sizes or views — on the SIMT kernels. Inside `ssd`,
 //! fwd_pass_state also does stage 1: in the first kernel of the pair (raw dt of the values' type,
 //! up to `FUSE_PROGRAMS_PER_SM` programs per SM), else by the chunk_cumsum kernel before it.
+//! On sm_90+ both tensor-core kernels take x, b and (compute_out, states of the values' type)
+//! the chunk states as TMA tensor maps: one thread copies a tile instead of every thread a part.
 
 use std::sync::Arc;
 
@@ -13,8 +15,8 @@ use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
 
 use super::{
-    alloc, cfg, dtype_name, function, i, launch, max_smem, opt_ptr, ptr, rows_ptr, sm_count, Arg,
-    Held,
+    alloc, cfg, dtype_name, function, has_tma, i, launch, max_smem, opt_ptr, ptr, rows_ptr,
+    sm_count, tensor_map_3d, Arg, Held,
 };
 use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
 use crate::check::SsdDims;
@@ -213,7 +215,6 @@ pub(crate) fn fwd_pass_state(
                 (d.dstate / nt) as u32,
                 (d.headdim / (16 * warps)) as u32,
             );
-            let launch_cfg = cfg(grid, (32 * warps as u32, 1, 1), smem);
             let programs = (grid.0 * grid.1 * grid.2) as usize;
             let fuse = dt_s.dtype() == x_s.dtype()
                 && programs <= FUSE_PROGRAMS_PER_SM * sm_count(&stream)?;
@@ -240,9 +241,46 @@ pub(crate) fn fwd_pass_state(
                     None
                 }
             };
-            let (kernel, args): (_, Vec<&dyn Arg>) = match &fused {
-                Some((ks, ..)) => ("chunk_state_mma_cs", vec![&x_p, &b_p, &out_p, &kd, ks]),
-                None => (
+            // On sm_90+ the x and b tiles come by tensor map (one thread issues the copies),
+            // their shared tiles aligned to 1024 bytes.
+            let tma = has_tma(&stream)? && smem + 896 <= max;
+            let maps = if tma {
+                let (hp, gn, l) = (d.nheads * d.headdim, d.ngroups * d.dstate, d.seqlen);
+                let rows = box_rows(chunk);
+                let tx = tensor_map_3d(
+                    x_p,
+                    x_s.dtype(),
+                    [hp, l, d.batch],
+                    [hp, l * hp],
+                    [16 * warps, rows, 1],
+                )?;
+                let tb = tensor_map_3d(
+                    b_p,
+                    b_s.dtype(),
+                    [gn, l, d.batch],
+                    [gn, l * gn],
+                    [nt.min(64), rows, 1],
+                )?;
+                Some((tx, tb, i(rows)?))
+            } else {
+                None
+            };
+            let launch_cfg = cfg(
+                grid,
+                (32 * warps as u32, 1, 1),
+                smem + if tma { 896 } else { 0 },
+            );
+            let (kernel, args): (_, Vec<&dyn Arg>) = match (&fused, &maps) {
+                (Some((ks, ..)), Some((tx, tb, rows))) => (
+                    "chunk_state_mma_tma_cs",
+                    vec![tx, tb, rows, &out_p, &kd, ks],
+                ),
+                (None, Some((tx, tb, rows))) => (
+                    "chunk_state_mma_tma",
+                    vec![tx, tb, rows, &dt_p, &da_p, &out_p, &kd],
+                ),
+                (Some((ks, ..)), None) => ("chunk_state_mma_cs", vec![&x_p, &b_p, &out_p, &kd, ks]),
+                (None, None) => (
                     "chunk_state_mma",
                     vec![&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
                 ),
@@ -325,6 +363,16 @@ fn put_outputs(op: &FwdPassState, steps: StepsIn, last: Option<CudaStorage>) -> 
         (Some(slot), Some(l)) => slot.put(name, Storage::Cuda(l)),
         _ => Ok(()),
     }
+}
+
+/// Tokens per tensor-map box of chunk_state_mma: the largest of 128, 64, 32, 16 that divides both
+/// halves of the chunk (the kernel's `half` = ⌊chunk / 32⌋·16 and the rest).
+fn box_rows(chunk: usize) -> usize {
+    let half = chunk / 32 * 16;
+    [128, 64, 32, 16]
+        .into_iter()
+        .find(|r| half % r == 0 && (chunk - half) % r == 0)
+        .unwrap_or(16)
 }
 
 /// Whether the tensor-core kernels' tile loads (`m2::load_tile`: 32-bit byte offsets from a
@@ -434,18 +482,50 @@ pub(crate) fn compute_out(
     if let Some((hb, smem)) = plan {
         kd.heads_per_block = i(hb)?;
         let n = d.dstate;
-        let f = function(
-            &stream,
-            COMPUTE_OUT,
-            &format!("compute_out_mma_{t}_{s}_n{n}_p{ptile}"),
-        )?;
         let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
-        launch(
-            &stream,
-            &f,
-            cfg(grid, (2 * chunk as u32, 1, 1), smem),
-            &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
-        )?;
+        let launch_cfg = cfg(grid, (2 * chunk as u32, 1, 1), smem);
+        // On sm_90+ with states of the value type, the unit tiles come by tensor map.
+        if has_tma(&stream)? && st_s.dtype() == x_s.dtype() {
+            let hp = d.nheads * d.headdim;
+            let tx = tensor_map_3d(
+                x_p,
+                x_s.dtype(),
+                [hp, d.seqlen, d.batch],
+                [hp, d.seqlen * hp],
+                [ptile, chunk, 1],
+            )?;
+            let rows = d.batch * d.nheads * (nchunks + 1) * d.headdim;
+            let th = tensor_map_3d(
+                st_p,
+                st_s.dtype(),
+                [n, rows, 1],
+                [n, rows * n],
+                [n.min(64), ptile, 1],
+            )?;
+            let f = function(
+                &stream,
+                COMPUTE_OUT,
+                &format!("compute_out_mma_tma_{t}_n{n}_p{ptile}"),
+            )?;
+            launch(
+                &stream,
+                &f,
+                launch_cfg,
+                &[&tx, &th, &b_p, &c_p, &dt_p, &da_p, &d_p, &z_p, &y_p, &kd],
+            )?;
+        } else {
+            let f = function(
+                &stream,
+                COMPUTE_OUT,
+                &format!("compute_out_mma_{t}_{s}_n{n}_p{ptile}"),
+            )?;
+            launch(
+                &stream,
+                &f,
+                launch_cfg,
+                &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
+            )?;
+        }
         return Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))));
     }
     let f = function(&stream, COMPUTE_OUT, &format!("compute_out_simt_{t}_{s}"))?;
@@ -461,15 +541,15 @@ pub(crate) fn compute_out(
 
 /// Shared memory of `compute_out_mma` in bytes (its `Layout`, 2-byte values): C·Bᵀ in 16×16
 /// blocks at or below the diagonal, four f32 scalars per token and head, D per channel of each
-/// head, and a region holding c and b at the start, then two unit buffers (x tile and state
-/// tile); 128 bytes more to align them.
+/// head, and from the next multiple of 1024 bytes a region holding c and b at the start, then
+/// two unit buffers (x tile and state tile); 1024 bytes more to align the base.
 fn mma_smem(chunk: usize, headdim: usize, dstate: usize, ptile: usize, hb: usize) -> usize {
     let rblocks = chunk / 16;
     let cb = rblocks * (rblocks + 1) / 2 * 512;
     let scalars = hb * 4 * chunk * 4 + hb * headdim * 4;
     let cb_tiles = 2 * chunk * dstate * 2;
     let buffers = 2 * (chunk * ptile + ptile * dstate) * 2;
-    cb + scalars + cb_tiles.max(buffers) + 128
+    (cb + scalars).next_multiple_of(1024) + cb_tiles.max(buffers) + 1024
 }
 
 /// Heads per program for `compute_out_mma` (`threads` per program) and its shared bytes: a
