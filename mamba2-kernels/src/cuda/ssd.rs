@@ -323,11 +323,12 @@ pub(crate) fn fwd_pass_state(
 }
 
 /// Stage 1 runs inside chunk_state_mma (its `_cs` form) while that kernel has at most this many
-/// programs per SM (about four waves): there the launch it saves outweighs the stage-1 latency
-/// each program then carries. H200, `ssd` in a graph, fused against not (session 8 runs 7–8):
-/// −1.5 to −2.4 µs at 3–10 programs per SM (L=4096, both model layers), −1.9 to +1.3 at 31 (the
-/// seed shape, N=64), +3.7 and +6.5 µs at 62 and 124 (N=256, L=65536).
-const FUSE_PROGRAMS_PER_SM: usize = 16;
+/// programs per SM (about eight waves): there the launch it saves outweighs the stage-1 latency
+/// each program then carries. H200, `ssd` in a graph, fused against not: −1.5 to −2.4 µs at 3–10
+/// programs per SM (L=4096, both model layers; session 8 runs 7–8), +3.7 and +6.5 µs at 62 and
+/// 124 (N=256, L=65536; cp.async tiles), −2.7 and −1.4 µs at 31 (the seed shape, N=64) with the
+/// tiles by TMA (session 9 run 9).
+const FUSE_PROGRAMS_PER_SM: usize = 32;
 
 /// fwd_pass_state's step sizes on the device: the held da_cumsum (dt_out is the op's input), or
 /// stage 1's buffer with the raw step sizes' `a` and options.
