@@ -86,9 +86,11 @@ __device__ __forceinline__ uint32_t swz_add(uint32_t l, int k) {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-// The dynamic shared memory rounded up to 128 bytes (the launchers request 128 bytes more).
+// The dynamic shared memory rounded up to A bytes (the launchers request A bytes more): 128, or
+// 1024 where tensor-map copies swizzle into it.
+template <int A = 128>
 __device__ __forceinline__ unsigned char* smem_aligned(unsigned char* raw) {
-  return raw + ((128 - (smem_addr(raw) & 127)) & 127);
+  return raw + ((A - (smem_addr(raw) & (A - 1))) & (A - 1));
 }
 // Rows [0, rows) of a [rows, COLS] tile of 2-byte T (global row stride `stride` elements from
 // `src`) into a swizzled shared tile by 16-byte cp.async from `threads` threads (a multiple of

@@ -96,8 +96,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   constexpr int HC = TMA && N > 64 ? 64 : N, HB2 = HC * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t landed[2];  // TMA: per unit buffer, its copies have landed
-  unsigned char* smem = TMA ? smem_raw + ((1024 - (m2::smem_addr(smem_raw) & 1023)) & 1023)
-                            : m2::smem_aligned(smem_raw);
+  unsigned char* smem = m2::smem_aligned<TMA ? 1024 : 128>(smem_raw);
   const int chunk = D.chunk, P = D.headdim, HB = D.heads_per_block;
   const Layout<N, PT> lay(chunk, HB, P);
   uint4* cbs = reinterpret_cast<uint4*>(smem);

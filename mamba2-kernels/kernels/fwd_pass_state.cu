@@ -156,8 +156,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   constexpr int CB = TMA && NT > 64 ? 64 : NT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t bars[2];  // TMA: the chunk's two halves
-  unsigned char* smem = TMA ? smem_raw + ((1024 - (m2::smem_addr(smem_raw) & 1023)) & 1023)
-                            : m2::smem_aligned(smem_raw);
+  unsigned char* smem = m2::smem_aligned<TMA ? 1024 : 128>(smem_raw);
   const int chunk = D.chunk;
   T* xs = reinterpret_cast<T*>(smem);      // [chunk][PT], swizzled (m2::swz)
   T* bs = xs + chunk * PT;                 // [NT / CB][chunk][CB], swizzled

@@ -16,7 +16,7 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
 
 use super::{
     alloc, cfg, dtype_name, function, has_tma, i, launch, max_smem, opt_ptr, ptr, rows_ptr,
-    sm_count, tensor_map_3d, Arg, Held,
+    sm_count, tensor_map_3d, Arg, Held, TensorMap,
 };
 use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
 use crate::check::SsdDims;
@@ -245,22 +245,9 @@ pub(crate) fn fwd_pass_state(
             // their shared tiles aligned to 1024 bytes.
             let tma = has_tma(&stream)? && smem + 896 <= max;
             let maps = if tma {
-                let (hp, gn, l) = (d.nheads * d.headdim, d.ngroups * d.dstate, d.seqlen);
                 let rows = box_rows(chunk);
-                let tx = tensor_map_3d(
-                    x_p,
-                    x_s.dtype(),
-                    [hp, l, d.batch],
-                    [hp, l * hp],
-                    [16 * warps, rows, 1],
-                )?;
-                let tb = tensor_map_3d(
-                    b_p,
-                    b_s.dtype(),
-                    [gn, l, d.batch],
-                    [gn, l * gn],
-                    [nt.min(64), rows, 1],
-                )?;
+                let tx = token_map(x_p, x_s.dtype(), d.nheads * d.headdim, &d, 16 * warps, rows)?;
+                let tb = token_map(b_p, b_s.dtype(), d.ngroups * d.dstate, &d, nt.min(64), rows)?;
                 Some((tx, tb, i(rows)?))
             } else {
                 None
@@ -364,6 +351,25 @@ fn put_outputs(op: &FwdPassState, steps: StepsIn, last: Option<CudaStorage>) -> 
         (Some(slot), Some(l)) => slot.put(name, Storage::Cuda(l)),
         _ => Ok(()),
     }
+}
+
+/// The tensor map of a `[B, L, row]` tensor of 2-byte values at `p` (x, b), boxes of `cols`
+/// channels by `rows` tokens of one sequence (tokens past its end read as zeros).
+fn token_map(
+    p: u64,
+    dtype: DType,
+    row: usize,
+    d: &SsdDims,
+    cols: usize,
+    rows: usize,
+) -> Result<TensorMap> {
+    tensor_map_3d(
+        p,
+        dtype,
+        [row, d.seqlen, d.batch],
+        [row, d.seqlen * row],
+        [cols, rows, 1],
+    )
 }
 
 /// Tokens per tensor-map box of chunk_state_mma: the largest of 128, 64, 32, 16 that divides both
@@ -484,18 +490,11 @@ pub(crate) fn compute_out(
         kd.heads_per_block = i(hb)?;
         let n = d.dstate;
         let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
-        let launch_cfg = cfg(grid, (2 * chunk as u32, 1, 1), smem);
-        // On sm_90+ with states of the value type, the unit tiles come by tensor map.
-        if has_tma(&stream)? && st_s.dtype() == x_s.dtype() {
-            let hp = d.nheads * d.headdim;
-            let tx = tensor_map_3d(
-                x_p,
-                x_s.dtype(),
-                [hp, d.seqlen, d.batch],
-                [hp, d.seqlen * hp],
-                [ptile, chunk, 1],
-            )?;
+        // On sm_90+ with states of the value type, the unit tiles come by tensor map (the states
+        // as rows of N).
+        let maps = if has_tma(&stream)? && st_s.dtype() == x_s.dtype() {
             let rows = d.batch * d.nheads * (nchunks + 1) * d.headdim;
+            let tx = token_map(x_p, x_s.dtype(), d.nheads * d.headdim, &d, ptile, chunk)?;
             let th = tensor_map_3d(
                 st_p,
                 st_s.dtype(),
@@ -503,30 +502,27 @@ pub(crate) fn compute_out(
                 [n, rows * n],
                 [n.min(64), ptile, 1],
             )?;
-            let f = function(
-                &stream,
-                COMPUTE_OUT,
-                &format!("compute_out_mma_tma_{t}_n{n}_p{ptile}"),
-            )?;
-            launch(
-                &stream,
-                &f,
-                launch_cfg,
-                &[&tx, &th, &b_p, &c_p, &dt_p, &da_p, &d_p, &z_p, &y_p, &kd],
-            )?;
+            Some((tx, th))
         } else {
-            let f = function(
-                &stream,
-                COMPUTE_OUT,
-                &format!("compute_out_mma_{t}_{s}_n{n}_p{ptile}"),
-            )?;
-            launch(
-                &stream,
-                &f,
-                launch_cfg,
-                &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
-            )?;
-        }
+            None
+        };
+        let (kernel, args): (_, Vec<&dyn Arg>) = match &maps {
+            Some((tx, th)) => (
+                format!("compute_out_mma_tma_{t}_n{n}_p{ptile}"),
+                vec![tx, th, &b_p, &c_p, &dt_p, &da_p, &d_p, &z_p, &y_p, &kd],
+            ),
+            None => (
+                format!("compute_out_mma_{t}_{s}_n{n}_p{ptile}"),
+                vec![&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
+            ),
+        };
+        let f = function(&stream, COMPUTE_OUT, &kernel)?;
+        launch(
+            &stream,
+            &f,
+            cfg(grid, (2 * chunk as u32, 1, 1), smem),
+            &args,
+        )?;
         return Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))));
     }
     let f = function(&stream, COMPUTE_OUT, &format!("compute_out_simt_{t}_{s}"))?;
