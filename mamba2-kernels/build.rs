@@ -1,8 +1,10 @@
-//! Compiles `kernels/*.cu` with nvcc into fatbins (sm_80 and sm_90a machine code, compute_80
+//! Compiles `kernels/*.cu` with nvcc into fatbins (sm_80 and sm_90a machine code, compute_90
 //! PTX for newer GPUs) when the `cuda` feature is on. The fatbins are embedded with
 //! `include_bytes!` and loaded through the CUDA driver, which picks the matching image: no
-//! run-time compilation, and Hopper gets code built for it. nvcc is found through `NVCC`,
-//! `CUDA_HOME`/`CUDA_PATH` or `PATH`.
+//! run-time compilation on Ampere and Hopper, which get code built for them. A newer GPU compiles
+//! the compute_90 PTX when loading it, so that it has what the launchers assume of every compute
+//! capability ≥ 9 (tensor-map copies, programmatic dependent launch); compute_80 PTX would lack
+//! both. nvcc is found through `NVCC`, `CUDA_HOME`/`CUDA_PATH` or `PATH`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -49,7 +51,7 @@ fn main() {
             .args(["--fatbin", "-O3", "-std=c++17", "-Xptxas=-warn-spills"])
             .args(["-gencode", "arch=compute_80,code=sm_80"])
             .args(["-gencode", "arch=compute_90a,code=sm_90a"])
-            .args(["-gencode", "arch=compute_80,code=compute_80"])
+            .args(["-gencode", "arch=compute_90,code=compute_90"])
             .arg("-o")
             .arg(&dst)
             .arg(&src)

@@ -151,7 +151,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned phase) {
 #endif
 }
 // The box of `map` at (c0, c1, c2) (innermost first) into shared memory at `dst`; rows outside
-// the tensor arrive as zeros.
+// the tensor arrive as zeros. Before sm_90 (where the launchers never pick a tensor-map kernel)
+// it traps rather than leave the tile unwritten.
 __device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
                                             uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -160,6 +161,8 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, int
       "%3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
       : "memory");
+#else
+  __trap();
 #endif
 }
 
