@@ -242,8 +242,9 @@ pub(crate) fn fwd_pass_state(
                 }
             };
             // On sm_90+ the x and b tiles come by tensor map (one thread issues the copies),
-            // their shared tiles aligned to 1024 bytes.
-            let tma = has_tma(&stream)? && smem + 896 <= max;
+            // their shared tiles aligned to 1024 bytes instead of the 128 `smem` allows for.
+            let tma_smem = smem - 128 + 1024;
+            let tma = has_tma(&stream)? && tma_smem <= max;
             let maps = if tma {
                 let rows = box_rows(chunk);
                 let tx = token_map(x_p, x_s.dtype(), d.nheads * d.headdim, &d, 16 * warps, rows)?;
@@ -255,7 +256,7 @@ pub(crate) fn fwd_pass_state(
             let launch_cfg = cfg(
                 grid,
                 (32 * warps as u32, 1, 1),
-                smem + if tma { 896 } else { 0 },
+                if tma { tma_smem } else { smem },
             );
             let (kernel, args): (_, Vec<&dyn Arg>) = match (&fused, &maps) {
                 (Some((ks, ..)), Some((tx, tb, rows))) => (
