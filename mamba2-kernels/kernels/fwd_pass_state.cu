@@ -162,8 +162,13 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   T* bs = xs + chunk * PT;                 // [NT / CB][chunk][CB], swizzled
   T* ws = bs + chunk * NT;                 // [chunk]
 
-  const int bhc = blockIdx.x, n0 = blockIdx.y * NT, p0 = blockIdx.z * PT;
-  const int c = bhc % D.nchunks, bh = bhc / D.nchunks;
+  // Program i takes tile (n, p) = (i mod NY, ⌊i / NY⌋ mod PZ) of (batch·head, chunk): the chunks
+  // from the last down, every tile of every (batch, head) of one chunk together. The lowest
+  // chunks' states, which state_scan reads first, are written last (still in L2), and the tiles
+  // that share an x or b tile run side by side.
+  const int ny = D.dstate / NT, pz = D.headdim / PT, nbh = D.batch * D.nheads;
+  const int i = blockIdx.x, n0 = i % ny * NT, p0 = i / ny % pz * PT;
+  const int bh = i / (ny * pz) % nbh, c = D.nchunks - 1 - i / (ny * pz * nbh);
   const int b = bh / D.nheads, h = bh % D.nheads, g = h / (D.nheads / D.ngroups);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const size_t hp = static_cast<size_t>(D.nheads) * D.headdim;
@@ -229,7 +234,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
     }
   }
   if constexpr (CS) {
-    const bool store = blockIdx.y == 0 && blockIdx.z == 0;
+    const bool store = n0 == 0 && p0 == 0;
     d_last = chunk_steps<THREADS, PER>(steps, b, h, l0, len, store, ah, bias, dv, tv, D);
     const int q = (len + THREADS - 1) / THREADS;
 #pragma unroll

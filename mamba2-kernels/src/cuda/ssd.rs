@@ -209,13 +209,11 @@ pub(crate) fn fwd_pass_state(
         let pair = chunk_state_tile(&d, chunk, op.state_dtype.size_in_bytes(), &ptrs, max);
         if let Some((warps, nt, smem)) = pair {
             // Every chunk's own contribution in parallel (stage 1 on the way when the step sizes
-            // are raw dt of the values' type), then the scan across chunks.
-            let grid = (
-                (d.batch * d.nheads * nchunks) as u32,
-                (d.dstate / nt) as u32,
-                (d.headdim / (16 * warps)) as u32,
-            );
-            let programs = (grid.0 * grid.1 * grid.2) as usize;
+            // are raw dt of the values' type), one program per (batch, head, chunk, tile), then
+            // the scan across chunks.
+            let programs =
+                d.batch * d.nheads * nchunks * (d.dstate / nt) * (d.headdim / (16 * warps));
+            let grid = (i(programs)? as u32, 1, 1);
             let fuse = dt_s.dtype() == x_s.dtype()
                 && programs <= FUSE_PROGRAMS_PER_SM * sm_count(&stream)?;
             // Stage 1's pointers for the `_cs` form (with the guards of what they address), or
