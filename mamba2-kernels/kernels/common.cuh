@@ -234,6 +234,25 @@ template <> __device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
+// Transposes a 4×4 block of 32-bit words across the four lanes of a quad (lanes 4k..4k+3): lane s
+// holds (s, 0..3) before and (0..3, s) after, in two butterfly stages (xor 1, xor 2) of two
+// shuffles each.
+__device__ __forceinline__ void quad_transpose(uint32_t (&a)[4], int lane) {
+  const bool o1 = lane & 1, o2 = lane & 2;
+  uint32_t r0 = __shfl_xor_sync(0xffffffffu, o1 ? a[0] : a[1], 1);
+  uint32_t r1 = __shfl_xor_sync(0xffffffffu, o1 ? a[2] : a[3], 1);
+  a[0] = o1 ? r0 : a[0];
+  a[1] = o1 ? a[1] : r0;
+  a[2] = o1 ? r1 : a[2];
+  a[3] = o1 ? a[3] : r1;
+  r0 = __shfl_xor_sync(0xffffffffu, o2 ? a[0] : a[2], 2);
+  r1 = __shfl_xor_sync(0xffffffffu, o2 ? a[1] : a[3], 2);
+  a[0] = o2 ? r0 : a[0];
+  a[2] = o2 ? a[2] : r0;
+  a[1] = o2 ? r1 : a[1];
+  a[3] = o2 ? a[3] : r1;
+}
+
 // Eight consecutive values: loaded raw (16 bytes of bf16/f16, 32 of f32), unpacked to f32 at use;
 // stored from f32.
 template <typename T> struct Vec8;

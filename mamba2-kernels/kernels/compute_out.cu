@@ -14,7 +14,8 @@
 //      (`_tma` forms, sm_90+) by tensor-map copies from one thread completing on an mbarrier per
 //      buffer: unit u+1 loads while unit u computes, one barrier per unit. Per unit and warp:
 //      Y = C·hᵀ from the register fragments; then for every column block kb ≤ rb the stored C·Bᵀ
-//      block is scaled in registers and becomes the A operand of Y += S·X; + D·x, · silu(z).
+//      block is scaled in registers and becomes the A operand of Y += S·X; + D·x, · silu(z); y
+//      leaves as 16-byte row pieces after a transpose within each quad of lanes.
 //   Off the diagonal (kb < rb, r0 = 16·rb, e = 16·kb + 15, so s ≤ e < r0 ≤ t) the decay factors
 //   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) is
 //   per row and scales the sum of C·hᵀ (times exp2(d_r0)) and those blocks at once, the middle
@@ -309,28 +310,38 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
       }
       sx(rb, sa);
     }
-    // + D·x, · silu(z), store (rows past the sequence are not stored).
+    // + D·x, · silu(z), then stored as 16-byte vectors (rows past the sequence are not): lane tc/2
+    // of a quad holds column pairs tc of blocks j; a quad transpose per four blocks gives it the
+    // whole of block 4q + tc/2 instead.
     const float* d_cols = dk + hh * P + p0 + tc;
+    const size_t o0 = tok0 * hp + static_cast<size_t>(h) * P + p0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int t = r == 0 ? t_lo : t_hi;
-      if (t >= len) continue;
-      const size_t o = (tok0 + t) * hp + static_cast<size_t>(h) * P + p0 + tc;
-      T* yr = y + o;
-      const T* zr = z ? z + o : nullptr;
+      const uint32_t to = static_cast<uint32_t>(t) * static_cast<uint32_t>(hp);
+      const T* zr = z && t < len ? z + o0 + to + tc : nullptr;
+      T* yr = y + o0 + to + (lane % 4) * 8;
       const unsigned char* xr = reinterpret_cast<const unsigned char*>(xs);
       const uint32_t e_off = e_lane + r * 8 * XB;
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const float2 xv = load_pair<T>(reinterpret_cast<const T*>(xr + m2::swz_add<XB>(e_off, j)));
-        const float2 dd = *reinterpret_cast<const float2*>(d_cols + j * 8);
-        float v0 = acc[j][2 * r] + dd.x * xv.x, v1 = acc[j][2 * r + 1] + dd.y * xv.y;
-        if (zr) {
-          const float2 zv = load_pair<T>(zr + j * 8);
-          v0 *= m2::silu(zv.x);
-          v1 *= m2::silu(zv.y);
+      for (int q = 0; q < NJ / 4; ++q) {
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int j = 4 * q + k;
+          const float2 xv = load_pair<T>(reinterpret_cast<const T*>(xr + m2::swz_add<XB>(e_off, j)));
+          const float2 dd = *reinterpret_cast<const float2*>(d_cols + j * 8);
+          float v0 = acc[j][2 * r] + dd.x * xv.x, v1 = acc[j][2 * r + 1] + dd.y * xv.y;
+          if (zr) {
+            const float2 zv = load_pair<T>(zr + j * 8);
+            v0 *= m2::silu(zv.x);
+            v1 *= m2::silu(zv.y);
+          }
+          w[k] = m2::Mma<T>::pack(v0, v1);
         }
-        m2::store2<T>(yr + j * 8, v0, v1);
+        m2::quad_transpose(w, lane);
+        if (t < len)
+          *reinterpret_cast<uint4*>(yr + q * 32) = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
   }
