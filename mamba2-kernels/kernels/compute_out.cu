@@ -13,9 +13,11 @@
 //   1. The (head, P-tile) units stream through two buffers (x tile, state tile) by cp.async, or
 //      (`_tma` forms, sm_90+) by tensor-map copies from one thread completing on an mbarrier per
 //      buffer: unit u+1 loads while unit u computes, one barrier per unit. Per unit and warp:
-//      Y = C·hᵀ from the register fragments; then for every column block kb ≤ rb the stored C·Bᵀ
-//      block is scaled in registers and becomes the A operand of Y += S·X; + D·x, · silu(z); y
-//      leaves as 16-byte row pieces after a transpose within each quad of lanes.
+//      Y = C·hᵀ from the register fragments (mma.sync, every warp reading the whole state tile;
+//      in the `_tma` forms compiled for sm_90a, wgmma per warpgroup, which reads it once per
+//      four warps); then for every column block kb ≤ rb the stored C·Bᵀ block is scaled in
+//      registers and becomes the A operand of Y += S·X; + D·x, · silu(z); y leaves as 16-byte
+//      row pieces after a transpose within each quad of lanes.
 //   Off the diagonal (kb < rb, r0 = 16·rb, e = 16·kb + 15, so s ≤ e < r0 ≤ t) the decay factors
 //   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) is
 //   per row and scales the sum of C·hᵀ (times exp2(d_r0)) and those blocks at once, the middle
@@ -221,13 +223,21 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   const uint32_t h_lane = m2::swz<HB2>((lane / 16) * 8 + (lane % 8), (lane / 8) % 2) * 2;
   const uint32_t x_lane = m2::swz<XB>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
   const uint32_t e_lane = m2::swz<XB>(t_lo, 0) * 2 + tc * 2;
+  // wgmma for C·hᵀ (the `_tma` form compiled for sm_90a; T is bf16 there) where the warps make
+  // whole warpgroups; every warp of a warpgroup takes part, live rows or not.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool WGMMA = TMA && std::is_same<T, __nv_bfloat16>::value;
+#else
+  constexpr bool WGMMA = false;
+#endif
+  const bool wg = WGMMA && chunk >= 64;
   load_unit(0);
   for (int u = 0; u < units; ++u) {
     if constexpr (!TMA) m2::cp_async_wait<0>();
     __syncthreads();  // every warp is done with unit u − 1's buffer (and, cp.async: u landed)
     if (u + 1 < units) load_unit(u + 1);
     if constexpr (TMA) m2::mbar_wait(&landed[u % 2], (u / 2) & 1);
-    if (!rows_live) continue;
+    if (!rows_live && !wg) continue;
     const T* xs = buf_of(u);
     const uint32_t xs_a = m2::smem_addr(xs), hl = xs_a + chunk * XB + h_lane;
     const int hh = u / ptiles, h = h_first + hh, p0 = (u % ptiles) * PT;
@@ -238,18 +248,35 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 
     // Y = C·hᵀ, scaled by exp2(d_t).
     float acc[NJ][4] = {};
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (wg) {
+      // Per warpgroup (its four warps' 64 rows): KS wgmma reading the state tile once.
+      const uint32_t h0 = xs_a + chunk * XB;
+      m2::wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      // 16-byte chunk ks·2 of the state rows: column block ks·2 / (HC / 8) of the tile.
-      const uint32_t hk = hl + (ks * 2 / (HC / 8)) * PT * HB2;
+      for (int ks = 0; ks < KS; ++ks)
+        m2::wgmma_bf16<NJ>(acc, cf[ks],
+                           m2::wgmma_desc<HB2>(h0 + (ks * 16 / HC) * PT * HB2 + (ks * 16 % HC) * 2));
+      m2::wgmma_commit();
+      m2::wgmma_wait_all();
+      m2::wgmma_hold(acc);
+    } else
+#endif
+    {
 #pragma unroll
-      for (int j = 0; j < NJ; j += 2) {
-        uint32_t bf[4];
-        m2::ldsm_x4(bf, m2::swz_add<HB2>(hk, ks * 2 % (HC / 8)) + j * 8 * HB2);
-        m2::Mma<T>::run(acc[j], cf[ks], bf[0], bf[1]);
-        m2::Mma<T>::run(acc[j + 1], cf[ks], bf[2], bf[3]);
+      for (int ks = 0; ks < KS; ++ks) {
+        // 16-byte chunk ks·2 of the state rows: column block ks·2 / (HC / 8) of the tile.
+        const uint32_t hk = hl + (ks * 2 / (HC / 8)) * PT * HB2;
+#pragma unroll
+        for (int j = 0; j < NJ; j += 2) {
+          uint32_t bf[4];
+          m2::ldsm_x4(bf, m2::swz_add<HB2>(hk, ks * 2 % (HC / 8)) + j * 8 * HB2);
+          m2::Mma<T>::run(acc[j], cf[ks], bf[0], bf[1]);
+          m2::Mma<T>::run(acc[j + 1], cf[ks], bf[2], bf[3]);
+        }
       }
     }
+    if (!rows_live) continue;
     // Y += S·X for column block kb, S (A operand) given.
     auto sx = [&](int kb, const uint32_t (&sa)[4]) {
       const uint32_t xl = xs_a + kb * 16 * XB + x_lane;
