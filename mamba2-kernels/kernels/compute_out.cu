@@ -248,21 +248,18 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 
     // Y = C·hᵀ, scaled by exp2(d_t).
     float acc[NJ][4] = {};
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if (wg) {
       // Per warpgroup (its four warps' 64 rows): KS wgmma reading the state tile once.
       const uint32_t h0 = xs_a + chunk * XB;
       m2::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        m2::wgmma_bf16<NJ>(acc, cf[ks],
+        m2::Wgmma<NJ>::template run<0>(acc, cf[ks],
                            m2::wgmma_desc<HB2>(h0 + (ks * 16 / HC) * PT * HB2 + (ks * 16 % HC) * 2));
       m2::wgmma_commit();
-      m2::wgmma_wait_all();
+      m2::wgmma_wait<0>();
       m2::wgmma_hold(acc);
-    } else
-#endif
-    {
+    } else {
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         // 16-byte chunk ks·2 of the state rows: column block ks·2 / (HC / 8) of the tile.

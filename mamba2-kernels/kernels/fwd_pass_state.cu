@@ -9,9 +9,13 @@
 //   chunks in parallel (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1; its
 //   `_cs` form takes raw dt instead and does stage 1 (chunk_cumsum.cu) on its chunk itself,
 //   writing dt_out and da_cumsum once per chunk: one launch fewer per `ssd` call; its `_tma`
-//   forms (sm_90+) get the x and b tiles by tensor map, one thread issuing the copies;
+//   forms (sm_90+) get the x and b tiles by tensor map, one thread issuing the copies, and
+//   compiled for sm_90a with four warps (bf16) multiply on wgmma, the b tile read once per
+//   program instead of once per warp;
 // state_scan: the recurrence across chunks in place, streaming the slots with 16-byte accesses.
 // fwd_pass_state_simt: any type and shape; one thread per state element, chunks in order.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace {
@@ -265,9 +269,9 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   // Each lane's ldmatrix row addresses in the x and b tiles at k0 = 0.
   const uint32_t a_lane =
       m2::smem_addr(xs) + m2::swz<PT * 2>((lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2) * 2;
-  const uint32_t b_lane =
-      m2::smem_addr(bs) + m2::swz<CB * 2>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
-  for (int k0 = 0; k0 < len; k0 += 16) {
+  // x's fragment holds tokens k0 + tc + {0, 1} (registers 0, 1) and k0 + tc + 8 + {0, 1}
+  // (registers 2, 3): w scales them there, in registers.
+  auto x_frag = [&](uint32_t (&a)[4], int k0) {
     if (k0 == half) {
       if constexpr (TMA) {
         m2::mbar_wait(&bars[1], 0);
@@ -276,9 +280,6 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
         __syncthreads();
       }
     }
-    // x's fragment holds tokens k0 + tc + {0, 1} (registers 0, 1) and k0 + tc + 8 + {0, 1}
-    // (registers 2, 3): w scales them there, in registers.
-    uint32_t a[4];
     m2::ldsm_x4_t(a, a_lane + k0 * PT * 2);
     const uint32_t w0 = *reinterpret_cast<const uint32_t*>(ws + k0 + tc);
     const uint32_t w8 = *reinterpret_cast<const uint32_t*>(ws + k0 + tc + 8);
@@ -286,13 +287,50 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
     a[1] = m2::mul2<T>(a[1], w0);
     a[2] = m2::mul2<T>(a[2], w8);
     a[3] = m2::mul2<T>(a[3], w8);
+  };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool WGMMA = TMA && WARPS == 4 && std::is_same<T, __nv_bfloat16>::value;
+#else
+  constexpr bool WGMMA = false;
+#endif
+  if constexpr (WGMMA) {
+    // One warpgroup: per 16 tokens a wgmma m64nNTk16 with the scaled x fragments as A and the
+    // b tile (N-major, column blocks chunk·CB apart) read once; the fragments alternate between
+    // two register sets, each reused once the wgmma two steps back is done.
+    const uint32_t b0 = m2::smem_addr(bs), lbo = chunk * CB * 2;
+    auto step = [&](const uint32_t (&a)[4], int k0) {
+      m2::wgmma_fence();
+      m2::Wgmma<NT / 8>::template run<1>(acc, a, m2::wgmma_desc<CB * 2>(b0 + k0 * CB * 2, lbo));
+      m2::wgmma_commit();
+    };
+    m2::wgmma_hold(acc);
+    for (int k0 = 0; k0 < len; k0 += 32) {
+      uint32_t a0[4], a1[4];
+      m2::wgmma_wait<1>();
+      x_frag(a0, k0);
+      step(a0, k0);
+      if (k0 + 16 < len) {
+        m2::wgmma_wait<1>();
+        x_frag(a1, k0 + 16);
+        step(a1, k0 + 16);
+      }
+    }
+    m2::wgmma_wait<0>();
+    m2::wgmma_hold(acc);
+  } else {
+    const uint32_t b_lane =
+        m2::smem_addr(bs) + m2::swz<CB * 2>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
+    for (int k0 = 0; k0 < len; k0 += 16) {
+      uint32_t a[4];
+      x_frag(a, k0);
 #pragma unroll
-    for (int j = 0; j < NT / 8; j += 2) {
-      uint32_t bf[4];
-      const int k = j / (CB / 8);  // the column block of n8 block j
-      m2::ldsm_x4_t(bf, m2::swz_add<CB * 2>(b_lane + (k * chunk + k0) * CB * 2, j % (CB / 8)));
-      m2::Mma<T>::run(acc[j], a, bf[0], bf[1]);
-      m2::Mma<T>::run(acc[j + 1], a, bf[2], bf[3]);
+      for (int j = 0; j < NT / 8; j += 2) {
+        uint32_t bf[4];
+        const int k = j / (CB / 8);  // the column block of n8 block j
+        m2::ldsm_x4_t(bf, m2::swz_add<CB * 2>(b_lane + (k * chunk + k0) * CB * 2, j % (CB / 8)));
+        m2::Mma<T>::run(acc[j], a, bf[0], bf[1]);
+        m2::Mma<T>::run(acc[j + 1], a, bf[2], bf[3]);
+      }
     }
   }
   // The warp's 16 × NT block through shared memory (the x and b tiles' space, free once every warp
