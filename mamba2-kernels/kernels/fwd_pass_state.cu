@@ -470,13 +470,15 @@ CHUNK_STATE_ALL(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 CHUNK_STATE_ALL(__half, f16, float, f32)
 CHUNK_STATE_ALL(__half, f16, __nv_bfloat16, bf16)
 
-// 128 bytes in flight per thread and chunk ring: 8 chunks of bf16, 4 of f32.
-#define SCAN(S, SN, PF)                                                                      \
-  extern "C" __global__ void state_scan_##SN(const float* da, const S* init, S* states,      \
-                                             S* last, Dims d) {                              \
+// 128 bytes in flight per thread and chunk ring: 8 chunks of bf16, 4 of f32; the `_deep` forms
+// 256, for grids with few threads (the launcher's choice).
+#define SCAN(NAME, S, PF)                                                                    \
+  extern "C" __global__ void NAME(const float* da, const S* init, S* states, S* last, Dims d) { \
     m2::wait_prior_grid();                                                                   \
     state_scan<S, PF>(da, init, states, last, d);                                            \
   }
-SCAN(float, f32, 4)
-SCAN(__nv_bfloat16, bf16, 8)
+SCAN(state_scan_f32, float, 4)
+SCAN(state_scan_bf16, __nv_bfloat16, 8)
+SCAN(state_scan_deep_f32, float, 8)
+SCAN(state_scan_deep_bf16, __nv_bfloat16, 16)
 

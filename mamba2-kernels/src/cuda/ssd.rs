@@ -277,7 +277,15 @@ pub(crate) fn fwd_pass_state(
                 &format!("{kernel}_{t}_{s}_w{warps}_n{nt}"),
             )?;
             launch(&stream, &f, launch_cfg, &args)?;
-            let f = function(&stream, FWD_PASS_STATE, &format!("state_scan_{s}"))?;
+            // The scan's ring of chunks in flight: 128 bytes per thread, or 256 (`_deep`) where
+            // that would leave too few bytes in flight per SM.
+            let threads = d.batch * d.nheads * d.headdim * d.dstate / 8;
+            let ring = if threads * 128 < SCAN_BYTES_PER_SM * sm_count(&stream)? {
+                "_deep"
+            } else {
+                ""
+            };
+            let f = function(&stream, FWD_PASS_STATE, &format!("state_scan{ring}_{s}"))?;
             let grid = ((d.headdim * d.dstate / 8).div_ceil(256) as u32, bh, 1);
             launch(
                 &stream,
@@ -315,6 +323,14 @@ pub(crate) fn fwd_pass_state(
 /// 124 (N=256, L=65536; cp.async tiles), −2.7 and −1.4 µs at 31 (the seed shape, N=64) with the
 /// tiles by TMA (session 9 run 9).
 const FUSE_PROGRAMS_PER_SM: usize = 32;
+
+/// The scan's threads each keep a ring of 128 bytes of chunks in flight (8 bf16 / 4 f32 chunks
+/// of 8 elements); with fewer than this many bytes per SM in all (too few (batch, head) pairs
+/// and state elements to cover the memory latency) the `_deep` kernel keeps 256. H200, state
+/// pass µs with 128 / 256 bytes per thread (session 6 runs 14–15): N=64 seed shape (16 KB per SM)
+/// 60.9 / 57.5, 130m layer (23 KB) 15.1 / 14.9; at 32 KB — L=4096 27.4 / 26.8, seed 93.3 / 92.5,
+/// L=65536 353.9 / 355.4 — and 78 KB (2.7b layer, 31.8 / 32.6) the deep ring does not pay.
+const SCAN_BYTES_PER_SM: usize = 24 * 1024;
 
 /// fwd_pass_state's step sizes on the device: the held da_cumsum (dt_out is the op's input), or
 /// stage 1's buffer with the raw step sizes' `a` and options.
