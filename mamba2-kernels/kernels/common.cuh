@@ -229,104 +229,56 @@ __device__ __forceinline__ void wgmma_hold(float (&d)[NJ][4]) {
 }
 template <int NJ>
 struct Wgmma;
-template <>
-struct Wgmma<2> {
-  template <int TB>
-  __device__ __forceinline__ static void run(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc) {
+// Wgmma<NJ>::run<TB>: one `wgmma.mma_async m64n(8·NJ)k16` (bf16 → f32), the accumulators d as
+// 4·NJ operands (DREGS), then A's four registers, the descriptor and TB (their operand numbers).
+#define M2_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
-        " %0, %1, %2, %3, %4, %5, %6, %7},"
-        " {%8, %9, %10, %11}, %12, p, 1, 1, %13;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB));
+#define M2_WGMMA(NJ, N, DREGS, AREGS, DESC, TB, ...)                                           \
+  template <>                                                                                 \
+  struct Wgmma<NJ> {                                                                          \
+    template <int TB_>                                                                        \
+    __device__ __forceinline__ static void run(float (&d)[NJ][4], const uint32_t (&a)[4],     \
+                                               uint64_t desc) {                               \
+      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"                               \
+                   " wgmma.mma_async.sync.aligned.m64n" N "k16.f32.bf16.bf16 {" DREGS "},"      \
+                   " {" AREGS "}, " DESC ", p, 1, 1, " TB ";\n}\n"                             \
+                   : __VA_ARGS__                                                              \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB_));         \
+    }                                                                                         \
+  };
 #else
-    __trap();
+#define M2_WGMMA(NJ, N, DREGS, AREGS, DESC, TB, ...)                                       \
+  template <>                                                                             \
+  struct Wgmma<NJ> {                                                                      \
+    template <int TB_>                                                                    \
+    __device__ __forceinline__ static void run(float (&)[NJ][4], const uint32_t (&)[4], uint64_t) { \
+      __trap();                                                                           \
+    }                                                                                     \
+  };
 #endif
-  }
-};
-template <>
-struct Wgmma<4> {
-  template <int TB>
-  __device__ __forceinline__ static void run(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-        " %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
-        " {%16, %17, %18, %19}, %20, p, 1, 1, %21;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB));
-#else
-    __trap();
-#endif
-  }
-};
-template <>
-struct Wgmma<8> {
-  template <int TB>
-  __device__ __forceinline__ static void run(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        " %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
-        " {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB));
-#else
-    __trap();
-#endif
-  }
-};
-template <>
-struct Wgmma<16> {
-  template <int TB>
-  __device__ __forceinline__ static void run(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, 1, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        " %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
-        " {%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TB));
-#else
-    __trap();
-#endif
-  }
-};
+M2_WGMMA(2, "16",
+         "%0, %1, %2, %3, %4, %5, %6, %7",
+         "%8, %9, %10, %11", "%12", "%13",
+         M2_D4(0), M2_D4(1))
+M2_WGMMA(4, "32",
+         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+         "%16, %17, %18, %19", "%20", "%21",
+         M2_D4(0), M2_D4(1), M2_D4(2), M2_D4(3))
+M2_WGMMA(8, "64",
+         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+         "%32, %33, %34, %35", "%36", "%37",
+         M2_D4(0), M2_D4(1), M2_D4(2), M2_D4(3), M2_D4(4), M2_D4(5), M2_D4(6), M2_D4(7))
+M2_WGMMA(16, "128",
+         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63",
+         "%64, %65, %66, %67", "%68", "%69",
+         M2_D4(0), M2_D4(1), M2_D4(2), M2_D4(3), M2_D4(4), M2_D4(5), M2_D4(6), M2_D4(7), M2_D4(8),
+         M2_D4(9), M2_D4(10), M2_D4(11), M2_D4(12), M2_D4(13), M2_D4(14), M2_D4(15))
+#undef M2_WGMMA
+#undef M2_D4
 
 // Two f32 values stored as a pair of T (one 8-, 4- or 4-byte store).
 template <typename T> __device__ __forceinline__ void store2(T* p, float a, float b);
