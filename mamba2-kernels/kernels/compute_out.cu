@@ -254,8 +254,8 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
       m2::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        m2::Wgmma<NJ>::template run<0>(acc, cf[ks],
-                           m2::wgmma_desc<HB2>(h0 + (ks * 16 / HC) * PT * HB2 + (ks * 16 % HC) * 2));
+        m2::Wgmma<NJ>::template run<0>(
+            acc, cf[ks], m2::wgmma_desc<HB2>(h0 + (ks * 16 / HC) * PT * HB2 + (ks * 16 % HC) * 2));
       m2::wgmma_commit();
       m2::wgmma_wait<0>();
       m2::wgmma_hold(acc);
