@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (see ../shared/gpu/README.md), after `bash bench/pack_gpu.sh` here:
 # SASS check of the kernels, the SSD and model benchmarks, `generate --device cuda`, then the CUDA
-# tests (ssd_cuda a second time on the cp.async path); optionally the shipped model's training alongside the tests.
+# tests (ssd_cuda a second time on the cp.async path); optionally the shipped model's training
+# alongside the tests.
 #   bash bench/device_run.sh [TRAIN_MINUTES]        (default 0: no training)
 # Logs go to $OUT: kernels.log, model.log, tests.log (and train.log with the weights bundle).
 set -uo pipefail

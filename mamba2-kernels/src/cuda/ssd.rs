@@ -214,8 +214,8 @@ pub(crate) fn fwd_pass_state(
             let programs =
                 d.batch * d.nheads * nchunks * (d.dstate / nt) * (d.headdim / (16 * warps));
             let grid = (i(programs)? as u32, 1, 1);
-            let fuse = dt_s.dtype() == x_s.dtype()
-                && programs <= FUSE_PROGRAMS_PER_SM * sm_count(&stream)?;
+            let sms = sm_count(&stream)?;
+            let fuse = dt_s.dtype() == x_s.dtype() && programs <= FUSE_PROGRAMS_PER_SM * sms;
             // Stage 1's pointers for the `_cs` form (with the guards of what they address), or
             // stage 1 by its own kernel first.
             let fused = match &steps {
@@ -280,7 +280,7 @@ pub(crate) fn fwd_pass_state(
             // The scan's ring of chunks in flight: 128 bytes per thread, or 256 (`_deep`) where
             // that would leave too few bytes in flight per SM.
             let threads = d.batch * d.nheads * d.headdim * d.dstate / 8;
-            let ring = if threads * 128 < SCAN_BYTES_PER_SM * sm_count(&stream)? {
+            let ring = if threads * 128 < SCAN_BYTES_PER_SM * sms {
                 "_deep"
             } else {
                 ""
