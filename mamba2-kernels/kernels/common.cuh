@@ -37,11 +37,21 @@ __device__ __forceinline__ float process_dt(float raw, float bias, bool sp, floa
 }
 
 // Programmatic dependent launch: the launchers let a kernel be scheduled while the kernel before
-// it on the stream drains. Every kernel calls this first, before touching global memory: it
-// returns once that kernel has finished and its writes are visible. A no-op before sm_90.
+// it on the stream drains. Every kernel calls this before touching global memory (compute_out
+// after the state pass: before reading the states): it returns once that kernel has finished and
+// its writes are visible. A no-op before sm_90.
 __device__ __forceinline__ void wait_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the next kernel on the stream be scheduled before this one ends (sm_90+; a no-op before).
+// Called only after wait_prior_grid, so that once the next kernel runs, every kernel before this
+// one has finished: the next may read their outputs (not this one's) before its own wait.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 

@@ -463,14 +463,18 @@ CHUNK_STATE_ALL(__half, f16, float, f32)
 CHUNK_STATE_ALL(__half, f16, __nv_bfloat16, bf16)
 
 // 128 bytes in flight per thread and chunk ring: 8 chunks of bf16, 4 of f32; the `_deep` forms
-// 256, for grids with few threads (the launcher's choice).
-#define SCAN(NAME, S, PF)                                                                    \
+// 256, for grids with few threads (the launcher's choice). The usual forms let the next kernel
+// (compute_out, which loads and multiplies c and b before it waits) start at once; the `_deep`
+// forms do not: their few threads keep too little in flight to share the SMs with it (H200,
+// session 11 run 5: +3 µs at the 130m layer, none at N = 64).
+#define SCAN(NAME, S, PF, EARLY)                                                             \
   extern "C" __global__ void NAME(const float* da, const S* init, S* states, S* last, Dims d) { \
     m2::wait_prior_grid();                                                                   \
+    if (EARLY) m2::launch_dependents();                                                      \
     state_scan<S, PF>(da, init, states, last, d);                                            \
   }
-SCAN(state_scan_f32, float, 4)
-SCAN(state_scan_bf16, __nv_bfloat16, 8)
-SCAN(state_scan_deep_f32, float, 8)
-SCAN(state_scan_deep_bf16, __nv_bfloat16, 16)
+SCAN(state_scan_f32, float, 4, true)
+SCAN(state_scan_bf16, __nv_bfloat16, 8, true)
+SCAN(state_scan_deep_f32, float, 8, false)
+SCAN(state_scan_deep_bf16, __nv_bfloat16, 16, false)
 

@@ -53,6 +53,9 @@ pub(crate) struct FwdPassState {
     pub chunk_size: usize,
     pub state_dtype: DType,
     pub final_state: Option<Slot>,
+    /// Where the CUDA launcher leaves a buffer for compute_out's output, made before the scan is
+    /// launched (`ssd`; see `cuda::ssd::out_buffer`); the CPU leaves it empty.
+    pub out_buffer: Option<Slot>,
 }
 
 impl CustomOp3 for FwdPassState {
@@ -218,13 +221,23 @@ pub fn fwd_pass_state(
         .apply_op3_no_bwd(&b.contiguous()?, &dt_out.contiguous()?, &stage)
 }
 
+/// What [`steps_and_states`] makes.
+pub(crate) struct StatePass {
+    pub states: Tensor,
+    pub final_state: Tensor,
+    pub dt_out: Tensor,
+    pub da_cumsum: Tensor,
+    /// On CUDA, the buffer compute_out writes y into (see `FwdPassState::out_buffer`).
+    pub out_buffer: Option<Storage>,
+}
+
 /// Stages 1 and 2 of [`crate::ssd`] in one op, from raw `dt [B,L,H]` and `a [H]` (checked by
-/// the caller): `(states, final state, dt_out, da_cumsum)`.
+/// the caller).
 pub(crate) fn steps_and_states(
     (x, b, dt, a, init_state): (&Tensor, &Tensor, &Tensor, &Tensor, Option<&Tensor>),
     cumsum: ChunkCumsum,
     state_dtype: DType,
-) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+) -> Result<StatePass> {
     let op = "fwd_pass_state";
     let dims = SsdDims::values(op, x, b)?;
     let chunk_size = cumsum.chunk_size;
@@ -232,7 +245,8 @@ pub(crate) fn steps_and_states(
         a: a.contiguous()?,
         stage: cumsum,
     };
-    let stage = stage(dims, steps, init_state, chunk_size, state_dtype, true)?;
+    let mut stage = stage(dims, steps, init_state, chunk_size, state_dtype, true)?;
+    stage.out_buffer = Some(Slot::default());
     let states =
         x.contiguous()?
             .apply_op3_no_bwd(&b.contiguous()?, &check::rows_view(dt)?, &stage)?;
@@ -244,7 +258,17 @@ pub(crate) fn steps_and_states(
         .final_state
         .ok_or_else(|| candle_core::Error::Msg(format!("{op}: no final state was asked for")))?
         .take(op, "final state", (bsz, h, dims.headdim, dims.dstate))?;
-    Ok((states, last, both.get(0)?, both.get(1)?))
+    let out_buffer = match &stage.out_buffer {
+        Some(slot) => slot.take_storage(op)?,
+        None => None,
+    };
+    Ok(StatePass {
+        states,
+        final_state: last,
+        dt_out: both.get(0)?,
+        da_cumsum: both.get(1)?,
+        out_buffer,
+    })
 }
 
 /// The op for `dims` after the checks every caller shares.
@@ -269,5 +293,6 @@ fn stage(
         chunk_size,
         state_dtype,
         final_state: with_final.then(Slot::default),
+        out_buffer: None,
     })
 }

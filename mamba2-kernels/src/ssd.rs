@@ -1,13 +1,16 @@
-//! The chunked SSD forward: [`crate::chunk_cumsum`] → [`crate::fwd_pass_state`] → [`compute_out`]
-//! (the first two as one op, one kernel launch fewer on the GPU), the
-//! equivalent of mamba_ssm's `mamba_chunk_scan_combined` with `return_final_states`.
+//! The chunked SSD forward: [`crate::chunk_cumsum`] → [`crate::fwd_pass_state`] →
+//! [`crate::compute_out`] (the first two as one op, one kernel launch fewer on the GPU), the
+//! equivalent of mamba_ssm's `mamba_chunk_scan_combined` with `return_final_states`. On the GPU
+//! the state pass also allocates compute_out's output before its last kernel, so that
+//! compute_out follows that kernel directly and starts while it drains.
 
 use candle_core::{DType, Result, Tensor};
 
 use crate::check::{self, SsdDims};
 use crate::chunk_cumsum::ChunkCumsum;
+use crate::compute_out::after_state_pass;
 use crate::fwd_pass_state::steps_and_states;
-use crate::{compute_out, DtOptions};
+use crate::DtOptions;
 
 /// Options of [`ssd`]; `Default` is chunk 256, f32 states and mamba_ssm's defaults.
 #[derive(Clone, Copy, Debug)]
@@ -75,7 +78,11 @@ pub fn ssd(
     if let Some(s) = opts.initial_state {
         dims.state(op, "initial_state", s, x)?;
     }
+    // Every input of compute_out contiguous before the state pass: nothing is launched between
+    // the two (see `after_state_pass`).
     let (x, b, c) = (&x.contiguous()?, &b.contiguous()?, &c.contiguous()?);
+    let d = opts.d.map(|d| d.contiguous()).transpose()?;
+    let z = opts.z.map(|z| z.contiguous()).transpose()?;
     let chunk = opts.chunk_size;
     let cumsum = ChunkCumsum {
         dt_bias: opts.dt.bias.map(|b| b.contiguous()).transpose()?,
@@ -84,8 +91,9 @@ pub fn ssd(
         chunk_size: chunk,
     };
     let args = (x, b, dt, a, opts.initial_state);
-    let (states, final_state, dt_out, da_cumsum) =
-        steps_and_states(args, cumsum, opts.state_dtype)?;
-    let y = compute_out(x, b, c, &dt_out, &da_cumsum, &states, opts.d, opts.z, chunk)?;
-    Ok((y, final_state))
+    let pass = steps_and_states(args, cumsum, opts.state_dtype)?;
+    let (d, z) = (d.as_ref(), z.as_ref());
+    let inputs = (x, b, c, &pass.dt_out, &pass.da_cumsum, &pass.states);
+    let y = after_state_pass(inputs, d, z, chunk, pass.out_buffer)?;
+    Ok((y, pass.final_state))
 }

@@ -39,6 +39,7 @@ struct KDims {
     nchunks: i32,
     heads_per_block: i32,
     d_per_channel: i32,
+    early: i32,
 }
 // SAFETY: plain old data of i32 fields, laid out as the kernels' `Dims` structs.
 unsafe impl DeviceRepr for KDims {}
@@ -56,6 +57,7 @@ impl KDims {
             nchunks: i(d.nchunks(chunk))?,
             heads_per_block: 1,
             d_per_channel: 0,
+            early: 0,
         })
     }
 }
@@ -186,15 +188,16 @@ pub(crate) fn fwd_pass_state(
     };
     let init_p = opt_ptr(name, "init_state", &init, &stream)?;
     let out_p = ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0;
-    // The final state's own storage, written with slot C when the caller asked for it.
-    let pn = d.batch * d.nheads * d.headdim * d.dstate;
-    let last = match &op.final_state {
-        Some(_) => Some(alloc(dev, op.state_dtype, pn)?),
-        None => None,
-    };
-    let last_p = match &last {
-        Some(l) => ptr(name, "final_state", l, &Layout::contiguous(pn), &stream)?.0,
-        None => 0,
+    // The final state's own storage, written with slot C when the caller asked for it (allocated
+    // once the first kernel is on its way).
+    let final_state = || -> Result<(Option<CudaStorage>, u64)> {
+        let pn = d.batch * d.nheads * d.headdim * d.dstate;
+        let Some(_) = &op.final_state else {
+            return Ok((None, 0));
+        };
+        let l = alloc(dev, op.state_dtype, pn)?;
+        let p = ptr(name, "final_state", &l, &Layout::contiguous(pn), &stream)?.0;
+        Ok((Some(l), p))
     };
     let kd = KDims::new(&d, chunk)?;
     let (t, s) = (
@@ -277,6 +280,8 @@ pub(crate) fn fwd_pass_state(
                 &format!("{kernel}_{t}_{s}_w{warps}_n{nt}"),
             )?;
             launch(&stream, &f, launch_cfg, &args)?;
+            let (last, last_p) = final_state()?;
+            out_buffer(op, x_s)?;
             // The scan's ring of chunks in flight: 128 bytes per thread, or 256 (`_deep`) where
             // that would leave too few bytes in flight per SM.
             let threads = d.batch * d.nheads * d.headdim * d.dstate / 8;
@@ -299,6 +304,7 @@ pub(crate) fn fwd_pass_state(
         }
     }
     stage_one(&steps, dt_s, dt_l, dt_p, &stream)?;
+    let (last, last_p) = final_state()?;
     let f = function(
         &stream,
         FWD_PASS_STATE,
@@ -354,6 +360,22 @@ fn stage_one(
         }
         StepsIn::Given(_) => Ok(()),
     }
+}
+
+/// Allocates compute_out's output where the caller asked for it (`ssd`): before the scan is
+/// launched, so that nothing comes between the scan and compute_out in the stream — in a captured
+/// graph an allocation becomes a node of its own, and compute_out could not start early.
+fn out_buffer(op: &FwdPassState, x_s: &CudaStorage) -> Result<()> {
+    let Some(slot) = &op.out_buffer else {
+        return Ok(());
+    };
+    let d = op.dims;
+    let y = alloc(
+        &x_s.device,
+        x_s.dtype(),
+        d.batch * d.seqlen * d.nheads * d.headdim,
+    )?;
+    slot.put("fwd_pass_state", Storage::Cuda(y))
 }
 
 /// Leaves the final state and stage 1's buffer in the op's slots.
@@ -450,7 +472,12 @@ pub(crate) fn compute_out(
     let chunk = op.chunk_size;
     let nchunks = d.nchunks(chunk);
     let total = d.batch * d.seqlen * d.nheads * d.headdim;
-    let out = alloc(dev, x_s.dtype(), total)?;
+    // The buffer the state pass made for y (see `out_buffer`), else a fresh one.
+    let out = match op.out.take_storage(name)? {
+        Some(Storage::Cuda(y)) => y,
+        Some(_) => bail!("{name}: its output buffer is not on the CUDA device"),
+        None => alloc(dev, x_s.dtype(), total)?,
+    };
     let (b, dt, da) = (
         Held::new(&op.b),
         Held::new(&op.dt_out),
@@ -469,6 +496,7 @@ pub(crate) fn compute_out(
     let y_p = ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0;
     let mut kd = KDims::new(&d, chunk)?;
     kd.d_per_channel = op.d.as_ref().is_some_and(|t| t.rank() == 2) as i32;
+    kd.early = op.early as i32;
     let (t, s) = (
         dtype_name(name, x_s.dtype())?,
         dtype_name(name, st_s.dtype())?,
