@@ -22,6 +22,9 @@ namespace {
 
 struct Dims {
   int batch, seqlen, nheads, headdim, ngroups, dstate, chunk, nchunks;
+  int unused_[3];  // compute_out's fields (the launchers fill one struct for every SSD kernel)
+  // state_scan: the chunk at which it lets the next kernel on the stream (compute_out) start.
+  int release_at;
 };
 
 // Stage 1's inputs and outputs for chunk_state_mma's `_cs` form (as chunk_cumsum.cu): raw dt of
@@ -391,6 +394,7 @@ __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ i
     for (int i = 0; i < PF; ++i) {
       const int c = c0 + i;
       if (c >= D.nchunks) break;
+      if (c == D.release_at) m2::launch_dependents();
       float local[8];
       V8::unpack(ring[i], local);
       const float a = m2::exp2_fast(d_last[i]);
@@ -463,18 +467,14 @@ CHUNK_STATE_ALL(__half, f16, float, f32)
 CHUNK_STATE_ALL(__half, f16, __nv_bfloat16, bf16)
 
 // 128 bytes in flight per thread and chunk ring: 8 chunks of bf16, 4 of f32; the `_deep` forms
-// 256, for grids with few threads (the launcher's choice). The usual forms let the next kernel
-// (compute_out, which loads and multiplies c and b before it waits) start at once; the `_deep`
-// forms do not: their few threads keep too little in flight to share the SMs with it (H200,
-// session 11 run 5: +3 µs at the 130m layer, none at N = 64).
-#define SCAN(NAME, S, PF, EARLY)                                                             \
+// 256, for grids with few threads (the launcher's choice).
+#define SCAN(NAME, S, PF)                                                                    \
   extern "C" __global__ void NAME(const float* da, const S* init, S* states, S* last, Dims d) { \
     m2::wait_prior_grid();                                                                   \
-    if (EARLY) m2::launch_dependents();                                                      \
     state_scan<S, PF>(da, init, states, last, d);                                            \
   }
-SCAN(state_scan_f32, float, 4, true)
-SCAN(state_scan_bf16, __nv_bfloat16, 8, true)
-SCAN(state_scan_deep_f32, float, 8, false)
-SCAN(state_scan_deep_bf16, __nv_bfloat16, 16, false)
+SCAN(state_scan_f32, float, 4)
+SCAN(state_scan_bf16, __nv_bfloat16, 8)
+SCAN(state_scan_deep_f32, float, 8)
+SCAN(state_scan_deep_bf16, __nv_bfloat16, 16)
 

@@ -39,7 +39,10 @@ struct KDims {
     nchunks: i32,
     heads_per_block: i32,
     d_per_channel: i32,
+    /// compute_out: its step 0 runs before it waits on the kernel before it.
     early: i32,
+    /// state_scan: the chunk at which it lets the next kernel start (`i32::MAX`: at its end).
+    release_at: i32,
 }
 // SAFETY: plain old data of i32 fields, laid out as the kernels' `Dims` structs.
 unsafe impl DeviceRepr for KDims {}
@@ -58,6 +61,7 @@ impl KDims {
             heads_per_block: 1,
             d_per_channel: 0,
             early: 0,
+            release_at: i32::MAX,
         })
     }
 }
@@ -285,12 +289,16 @@ pub(crate) fn fwd_pass_state(
             // The scan's ring of chunks in flight: 128 bytes per thread, or 256 (`_deep`) where
             // that would leave too few bytes in flight per SM.
             let threads = d.batch * d.nheads * d.headdim * d.dstate / 8;
-            let ring = if threads * 128 < SCAN_BYTES_PER_SM * sms {
-                "_deep"
-            } else {
-                ""
-            };
+            let deep = threads * 128 < SCAN_BYTES_PER_SM * sms;
+            let ring = if deep { "_deep" } else { "" };
             let f = function(&stream, FWD_PASS_STATE, &format!("state_scan{ring}_{s}"))?;
+            // The next kernel (compute_out in `ssd`, which loads c and b and forms C·Bᵀ before it
+            // waits) may be scheduled from this chunk of the scan on: at once after the usual
+            // ring; three quarters in for the deep ring, whose few threads suffer early blocks
+            // beside them (H200, session 11 runs 5 and 9: N=64 110.4 → 107.3 µs graph; at once,
+            // the 130m layer 21.6 → 24.0).
+            let mut kd = kd;
+            kd.release_at = if deep { i(3 * nchunks / 4)? } else { 0 };
             let grid = ((d.headdim * d.dstate / 8).div_ceil(256) as u32, bh, 1);
             launch(
                 &stream,
