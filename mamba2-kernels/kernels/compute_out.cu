@@ -439,7 +439,7 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
 #define CO_MMA(T, TN, S, SN, N, PT)                                                    \
   extern "C" __global__ void __launch_bounds__(512)                                    \
       compute_out_mma_##TN##_##SN##_n##N##_p##PT(CO_ARGS(T, S)) {                     \
-    if (!d.early) m2::wait_prior_grid();                                                      \
+    if (!d.early) m2::wait_prior_grid();                                              \
     compute_out_mma<T, S, N, PT, false>(x, b, c, dt, da, states, dskip, z, y, d, nullptr, \
                                         nullptr);                                     \
   }
@@ -448,7 +448,7 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
       const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap th,   \
       const T* b, const T* c, const float* dt, const float* da, const float* dskip,      \
       const T* z, T* y, Dims d) {                                                      \
-    if (!d.early) m2::wait_prior_grid();                                                      \
+    if (!d.early) m2::wait_prior_grid();                                              \
     compute_out_mma<T, T, N, PT, true>(nullptr, b, c, dt, da, nullptr, dskip, z, y, d, &tx, &th); \
   }
 #define CO_MMA_SHAPES(T, TN, S, SN)                                                   \

@@ -12,7 +12,8 @@
 //   forms (sm_90+) get the x and b tiles by tensor map, one thread issuing the copies, and
 //   compiled for sm_90a with four warps (bf16) multiply on wgmma, the b tile read once per
 //   program instead of once per warp;
-// state_scan: the recurrence across chunks in place, streaming the slots with 16-byte accesses.
+// state_scan: the recurrence across chunks in place, streaming the slots with 16-byte accesses;
+//   from chunk `release_at` on it lets the next kernel (compute_out, see there) start.
 // fwd_pass_state_simt: any type and shape; one thread per state element, chunks in order.
 #include <type_traits>
 
