@@ -258,6 +258,16 @@ fn ssd_equals_repeated_steps() -> Result<()> {
     Ok(())
 }
 
+/// Whether `a` and `b` hold the same values, bit for bit (through f32, which holds bf16 exactly).
+fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
+    Ok(a.to_dtype(DType::F32)?
+        .ne(&b.to_dtype(DType::F32)?)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?
+        == 0.0)
+}
+
 /// Two runs on the same inputs give the same bits (no races between programs).
 #[test]
 fn repeated_runs_are_bit_identical() -> Result<()> {
@@ -267,16 +277,80 @@ fn repeated_runs_are_bit_identical() -> Result<()> {
         let pb = Problem::new(&s, &mut Rng::new(6000 + i as u64), &Device::Cpu)?.to_device(&dev)?;
         let (y1, s1) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &pb.options())?;
         let (y2, s2) = k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &pb.options())?;
-        let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
-            Ok(a.to_dtype(DType::F32)?
-                .ne(&b.to_dtype(DType::F32)?)?
-                .to_dtype(DType::F32)?
-                .sum_all()?
-                .to_scalar::<f32>()?
-                == 0.0)
-        };
-        assert!(same(&y1, &y2)?, "{dtype:?}: y differs between runs");
-        assert!(same(&s1, &s2)?, "{dtype:?}: state differs between runs");
+        assert!(same_bits(&y1, &y2)?, "{dtype:?}: y differs between runs");
+        assert!(
+            same_bits(&s1, &s2)?,
+            "{dtype:?}: state differs between runs"
+        );
+    }
+    Ok(())
+}
+
+/// `ssd` keeps its intermediates in scratch memory per stream, reused by the next call: calls of
+/// different sizes issued back to back (no synchronisation between them; the scratch buffer grows
+/// on the way) give the bits of the same calls run one at a time, and so does a call captured
+/// into a CUDA graph (which takes memory of its own) and replayed.
+#[test]
+fn back_to_back_and_graph_calls_match_single_calls() -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{
+        CUgraphInstantiate_flags, CUstreamCaptureMode,
+    };
+    use candle_core::cuda_backend::WrapErr;
+
+    let dev = gpu();
+    let problems = [(2000, 128), (300, 64), (5000, 128)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (seqlen, dstate))| {
+            let mut s = spec(seqlen, 8, 1, 64, dstate, 128, DType::BF16);
+            s.state_dtype = DType::BF16;
+            Problem::new(&s, &mut Rng::new(9000 + i as u64), &Device::Cpu)?.to_device(&dev)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let run = |pb: &Problem| k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &pb.options());
+    let mut alone = Vec::new();
+    for pb in &problems {
+        alone.push(run(pb)?);
+        dev.synchronize()?;
+    }
+    let order = [0, 1, 2, 0, 1, 2, 1, 0];
+    let outs = order
+        .iter()
+        .map(|&i| run(&problems[i]))
+        .collect::<Result<Vec<_>>>()?;
+    for (&i, (y, s)) in order.iter().zip(&outs) {
+        assert!(
+            same_bits(y, &alone[i].0)?,
+            "problem {i}: y differs back to back"
+        );
+        assert!(
+            same_bits(s, &alone[i].1)?,
+            "problem {i}: state differs back to back"
+        );
+    }
+
+    let cuda = dev.as_cuda_device()?;
+    let stream = cuda.cuda_stream();
+    let (y_dst, s_dst) = (alone[2].0.zeros_like()?, alone[2].1.zeros_like()?);
+    dev.synchronize()?;
+    let _htod = cuda.enable_cuda_graph_htod_cache();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .w()?;
+    let captured = run(&problems[2]).and_then(|(y, s)| {
+        y_dst.slice_set(&y, 0, 0)?;
+        s_dst.slice_set(&s, 0, 0)
+    });
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).w()?;
+    captured?;
+    let graph = graph.ok_or_else(|| candle_core::Error::Msg("empty graph".into()))?;
+    for _ in 0..2 {
+        y_dst.slice_set(&y_dst.zeros_like()?, 0, 0)?;
+        s_dst.slice_set(&s_dst.zeros_like()?, 0, 0)?;
+        graph.launch().w()?;
+        dev.synchronize()?;
+        assert!(same_bits(&y_dst, &alone[2].0)?, "graph: y differs");
+        assert!(same_bits(&s_dst, &alone[2].1)?, "graph: state differs");
     }
     Ok(())
 }

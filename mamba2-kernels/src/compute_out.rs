@@ -13,12 +13,11 @@
 //! optional `D [H] | [H,P]` f32 and `z [B,L,H,P]`. Output `y [B,L,H,P]` in x's dtype.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::check::{self, SsdDims};
 use crate::cpu::{self, MatMut, MatRef};
-use crate::slot::Slot;
 
 /// The `compute_out` op on `(x, c, states)`; the other inputs are held here.
 #[derive(Debug)]
@@ -30,13 +29,6 @@ pub(crate) struct ComputeOut {
     pub z: Option<Tensor>,
     pub dims: SsdDims,
     pub chunk_size: usize,
-    /// The kernel launched right before this op's is the state pass that made `states`, and
-    /// wrote nothing else it reads (see [`after_state_pass`]).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub early: bool,
-    /// A buffer for y made by the state pass (CUDA), which the launcher writes instead of
-    /// allocating one.
-    pub out: Slot,
 }
 
 impl CustomOp3 for ComputeOut {
@@ -221,42 +213,6 @@ pub fn compute_out(
     z: Option<&Tensor>,
     chunk_size: usize,
 ) -> Result<Tensor> {
-    let args = (x, b, c, dt_out, da_cumsum, states);
-    run(args, d, z, chunk_size, false, None)
-}
-
-/// [`compute_out`] called right after [`crate::fwd_pass_state`] made `states`, with every
-/// other input contiguous and made before that: on sm_90 the CUDA kernel then starts while the
-/// state pass drains and loads `b`, `c`, the step sizes and `D` (and forms `C·Bᵀ`) before it
-/// waits for the states.
-pub(crate) fn after_state_pass(
-    inputs: Inputs,
-    d: Option<&Tensor>,
-    z: Option<&Tensor>,
-    chunk_size: usize,
-    out: Option<Storage>,
-) -> Result<Tensor> {
-    run(inputs, d, z, chunk_size, true, out)
-}
-
-/// `(x, b, c, dt_out, da_cumsum, states)`.
-pub(crate) type Inputs<'a> = (
-    &'a Tensor,
-    &'a Tensor,
-    &'a Tensor,
-    &'a Tensor,
-    &'a Tensor,
-    &'a Tensor,
-);
-
-fn run(
-    (x, b, c, dt_out, da_cumsum, states): Inputs,
-    d: Option<&Tensor>,
-    z: Option<&Tensor>,
-    chunk_size: usize,
-    early: bool,
-    out: Option<Storage>,
-) -> Result<Tensor> {
     let op = "compute_out";
     let dims = SsdDims::values(op, x, b)?;
     dims.like_b(op, "c", c, x)?;
@@ -292,12 +248,7 @@ fn run(
         z: z.map(|z| z.contiguous()).transpose()?,
         dims,
         chunk_size,
-        early,
-        out: Slot::default(),
     };
-    if let Some(y) = out {
-        stage.out.put(op, y)?;
-    }
     x.contiguous()?
         .apply_op3_no_bwd(&c.contiguous()?, &states.contiguous()?, &stage)
 }

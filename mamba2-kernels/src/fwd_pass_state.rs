@@ -10,8 +10,9 @@
 //! optional `init_state [B,H,P,N]`. Output `states [B,H,C+1,P,N]`: entry `c` enters chunk `c`,
 //! entry `C` is the final state; stored in f32 or bf16, carried in f32.
 //!
-//! Inside [`crate::ssd`] the op also does stage 1 itself (raw dt in, [`crate::chunk_cumsum`]'s
-//! outputs left beside the states): on the GPU that is one kernel launch fewer per call.
+//! Inside [`crate::ssd`] on the CPU the op also does stage 1 itself (raw dt in,
+//! [`crate::chunk_cumsum`]'s outputs left beside the states); on the GPU `ssd` launches the
+//! kernels itself, stage 1 inside the state pass's first kernel.
 
 use std::borrow::Cow;
 
@@ -37,7 +38,8 @@ pub(crate) enum Steps {
     /// chunk_cumsum's outputs: the op's third input is `dt_out`, `da_cumsum` is held here.
     Given(Tensor),
     /// Raw `dt [B,L,H]` (the op's third input, rows possibly spaced) and `a [H]`: the op runs
-    /// `stage` itself and leaves its `[2,B,H,L]` output (dt_out, da_cumsum) in `steps_out`.
+    /// `stage` itself and leaves its `[2,B,H,L]` output (dt_out, da_cumsum) in `steps_out` (on
+    /// the CPU; the CUDA launcher refuses it, `ssd` there launching its kernels itself).
     Raw { a: Tensor, stage: ChunkCumsum },
 }
 
@@ -53,9 +55,6 @@ pub(crate) struct FwdPassState {
     pub chunk_size: usize,
     pub state_dtype: DType,
     pub final_state: Option<Slot>,
-    /// Where the CUDA launcher leaves a buffer for compute_out's output, made before the scan is
-    /// launched (`ssd`; see `cuda::ssd::out_buffer`); the CPU leaves it empty.
-    pub out_buffer: Option<Slot>,
 }
 
 impl CustomOp3 for FwdPassState {
@@ -227,8 +226,6 @@ pub(crate) struct StatePass {
     pub final_state: Tensor,
     pub dt_out: Tensor,
     pub da_cumsum: Tensor,
-    /// On CUDA, the buffer compute_out writes y into (see `FwdPassState::out_buffer`).
-    pub out_buffer: Option<Storage>,
 }
 
 /// Stages 1 and 2 of [`crate::ssd`] in one op, from raw `dt [B,L,H]` and `a [H]` (checked by
@@ -245,8 +242,7 @@ pub(crate) fn steps_and_states(
         a: a.contiguous()?,
         stage: cumsum,
     };
-    let mut stage = stage(dims, steps, init_state, chunk_size, state_dtype, true)?;
-    stage.out_buffer = Some(Slot::default());
+    let stage = stage(dims, steps, init_state, chunk_size, state_dtype, true)?;
     let states =
         x.contiguous()?
             .apply_op3_no_bwd(&b.contiguous()?, &check::rows_view(dt)?, &stage)?;
@@ -258,16 +254,11 @@ pub(crate) fn steps_and_states(
         .final_state
         .ok_or_else(|| candle_core::Error::Msg(format!("{op}: no final state was asked for")))?
         .take(op, "final state", (bsz, h, dims.headdim, dims.dstate))?;
-    let out_buffer = match &stage.out_buffer {
-        Some(slot) => slot.take_storage(op)?,
-        None => None,
-    };
     Ok(StatePass {
         states,
         final_state: last,
         dt_out: both.get(0)?,
         da_cumsum: both.get(1)?,
-        out_buffer,
     })
 }
 
@@ -293,6 +284,5 @@ fn stage(
         chunk_size,
         state_dtype,
         final_state: with_final.then(Slot::default),
-        out_buffer: None,
     })
 }

@@ -23,14 +23,6 @@ impl Slot {
         }
     }
 
-    /// The stored storage, if any, taken out of the slot.
-    pub fn take_storage(&self, op: &str) -> Result<Option<Storage>> {
-        match self.0.lock() {
-            Ok(mut slot) => Ok(slot.take()),
-            Err(_) => bail!("{op}: output slot poisoned"),
-        }
-    }
-
     /// The stored storage as a tensor of `shape`, or an error when the op stored none.
     pub fn take(self, op: &str, name: &str, shape: impl Into<Shape>) -> Result<Tensor> {
         match self.0.into_inner() {

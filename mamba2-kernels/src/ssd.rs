@@ -1,14 +1,15 @@
 //! The chunked SSD forward: [`crate::chunk_cumsum`] → [`crate::fwd_pass_state`] →
-//! [`crate::compute_out`] (the first two as one op, one kernel launch fewer on the GPU), the
-//! equivalent of mamba_ssm's `mamba_chunk_scan_combined` with `return_final_states`. On the GPU
-//! the state pass also allocates compute_out's output before its last kernel, so that
-//! compute_out follows that kernel directly and starts while it drains.
+//! [`crate::compute_out`], the equivalent of mamba_ssm's `mamba_chunk_scan_combined` with
+//! `return_final_states`. On the CPU the first two run as one op, then compute_out. On the GPU
+//! the kernels of all three are launched back to back by one function (stage 1 inside the first
+//! kernel where it pays), their intermediates in a scratch buffer kept per stream, so that a call
+//! spends little host time before its first kernel and compute_out starts while the state pass
+//! drains.
 
 use candle_core::{DType, Result, Tensor};
 
 use crate::check::{self, SsdDims};
 use crate::chunk_cumsum::ChunkCumsum;
-use crate::compute_out::after_state_pass;
 use crate::fwd_pass_state::steps_and_states;
 use crate::DtOptions;
 
@@ -78,8 +79,6 @@ pub fn ssd(
     if let Some(s) = opts.initial_state {
         dims.state(op, "initial_state", s, x)?;
     }
-    // Every input of compute_out contiguous before the state pass: nothing is launched between
-    // the two (see `after_state_pass`).
     let (x, b, c) = (&x.contiguous()?, &b.contiguous()?, &c.contiguous()?);
     let d = opts.d.map(|d| d.contiguous()).transpose()?;
     let z = opts.z.map(|z| z.contiguous()).transpose()?;
@@ -90,10 +89,47 @@ pub fn ssd(
         dt_limit: opts.dt.limit,
         chunk_size: chunk,
     };
+    let (d, z) = (d.as_ref(), z.as_ref());
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let init = opts
+            .initial_state
+            .map(|s| s.to_dtype(opts.state_dtype)?.contiguous())
+            .transpose()?;
+        return crate::cuda::ssd(&Call {
+            x,
+            b,
+            c,
+            dt: &check::rows_view(dt)?,
+            a: &a.contiguous()?,
+            d,
+            z,
+            init: init.as_ref(),
+            stage: &cumsum,
+            dims,
+            state_dtype: opts.state_dtype,
+        });
+    }
     let args = (x, b, dt, a, opts.initial_state);
     let pass = steps_and_states(args, cumsum, opts.state_dtype)?;
-    let (d, z) = (d.as_ref(), z.as_ref());
-    let inputs = (x, b, c, &pass.dt_out, &pass.da_cumsum, &pass.states);
-    let y = after_state_pass(inputs, d, z, chunk, pass.out_buffer)?;
+    let (dt_out, da) = (&pass.dt_out, &pass.da_cumsum);
+    let y = crate::compute_out(x, b, c, dt_out, da, &pass.states, d, z, chunk)?;
     Ok((y, pass.final_state))
+}
+
+/// [`ssd`]'s inputs after its checks, for the GPU path: every tensor contiguous (`dt`: its rows),
+/// `init` in the state dtype.
+#[cfg(feature = "cuda")]
+pub(crate) struct Call<'a> {
+    pub x: &'a Tensor,
+    pub b: &'a Tensor,
+    pub c: &'a Tensor,
+    pub dt: &'a Tensor,
+    pub a: &'a Tensor,
+    pub d: Option<&'a Tensor>,
+    pub z: Option<&'a Tensor>,
+    pub init: Option<&'a Tensor>,
+    pub stage: &'a ChunkCumsum,
+    pub dims: SsdDims,
+    pub state_dtype: DType,
 }

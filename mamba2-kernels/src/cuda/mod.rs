@@ -1,7 +1,8 @@
 //! CUDA launchers of the custom ops. The kernels (`kernels/*.cu`) are compiled by build.rs into
 //! fatbins, loaded once per CUDA context, and launched on candle's stream with raw device
-//! pointers; outputs are fresh allocations (filled with NaN first when `MAMBA2_POISON=1`, so
-//! tests can see any element a kernel fails to write).
+//! pointers; outputs are fresh allocations, and `ssd`'s intermediates live in scratch memory kept
+//! per stream (`scratch`); both are filled with NaN first when `MAMBA2_POISON=1`, so tests can see
+//! any element a kernel fails to write.
 //!
 //! On first use of a context, the device's default memory pool (the one candle's stream-ordered
 //! allocations come from) is told to keep freed memory instead of returning it to the driver at
@@ -29,12 +30,13 @@ use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage,
 mod conv;
 mod matvec;
 mod norm;
+mod scratch;
 mod ssd;
 
 pub(crate) use conv::{causal_conv1d, causal_conv1d_step};
 pub(crate) use matvec::matvec;
 pub(crate) use norm::{add_rms_norm, gated_rms_norm};
-pub(crate) use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd_step};
+pub(crate) use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_step};
 
 macro_rules! fatbin {
     ($name:literal) => {
@@ -57,7 +59,7 @@ const MATVEC: Image = fatbin!("matvec");
 #[derive(Default)]
 struct Cache {
     modules: HashMap<(usize, &'static str), Arc<CudaModule>>,
-    functions: HashMap<(usize, String), CudaFunction>,
+    functions: HashMap<usize, HashMap<String, CudaFunction>>,
     info: HashMap<usize, Info>,
     pools: std::collections::HashSet<usize>,
 }
@@ -78,7 +80,7 @@ pub(crate) fn function(stream: &Arc<CudaStream>, image: Image, name: &str) -> Re
     let ctx = stream.context();
     let key = ctx.cu_ctx() as usize;
     let mut c = lock()?;
-    if let Some(f) = c.functions.get(&(key, name.to_string())) {
+    if let Some(f) = c.functions.get(&key).and_then(|fs| fs.get(name)) {
         return Ok(f.clone());
     }
     if c.pools.insert(key) && ctx.has_async_alloc() {
@@ -102,7 +104,10 @@ pub(crate) fn function(stream: &Arc<CudaStream>, image: Image, name: &str) -> Re
         max_dynamic,
     )
     .w()?;
-    c.functions.insert((key, name.to_string()), f.clone());
+    c.functions
+        .entry(key)
+        .or_default()
+        .insert(name.to_string(), f.clone());
     Ok(f)
 }
 
@@ -141,20 +146,33 @@ struct Info {
     sm90: bool,
 }
 
-/// The stream's device's [`Info`], cached.
+/// The stream's device's [`Info`], cached (the last one asked for on each thread without a lock).
 fn info(stream: &Arc<CudaStream>) -> Result<Info> {
+    thread_local! {
+        static LAST: std::cell::Cell<Option<(usize, Info)>> = const { std::cell::Cell::new(None) };
+    }
     let ctx = stream.context();
     let key = ctx.cu_ctx() as usize;
-    if let Some(&v) = lock()?.info.get(&key) {
-        return Ok(v);
+    if let Some((k, v)) = LAST.get() {
+        if k == key {
+            return Ok(v);
+        }
     }
-    let attr = |a| Ok::<_, candle_core::Error>(ctx.attribute(a).w()? as usize);
-    let v = Info {
-        sms: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
-        max_smem: device_max_smem(ctx)?,
-        sm90: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9,
+    let cached = lock()?.info.get(&key).copied();
+    let v = match cached {
+        Some(v) => v,
+        None => {
+            let attr = |a| Ok::<_, candle_core::Error>(ctx.attribute(a).w()? as usize);
+            let v = Info {
+                sms: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+                max_smem: device_max_smem(ctx)?,
+                sm90: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9,
+            };
+            lock()?.info.insert(key, v);
+            v
+        }
     };
-    lock()?.info.insert(key, v);
+    LAST.set(Some((key, v)));
     Ok(v)
 }
 
@@ -343,17 +361,24 @@ pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaSt
         }
         dt => bail!("no CUDA output of dtype {dt:?}"),
     };
-    static POISON: OnceLock<bool> = OnceLock::new();
-    if *POISON.get_or_init(|| std::env::var("MAMBA2_POISON").is_ok_and(|v| v == "1")) && len > 0 {
+    if poisoning() && len > 0 {
         let stream = dev.cuda_stream();
-        let l = Layout::contiguous(len);
-        let (p, _g) = ptr("alloc", "output", &s, &l, &stream)?;
-        // SAFETY: `p` addresses the `len · size` bytes just allocated on this stream.
-        unsafe {
-            result::memset_d8_async(p, 0xFF, len * dtype.size_in_bytes(), stream.cu_stream()).w()?
-        };
+        let p = ptr("alloc", "output", &s, &Layout::contiguous(len), &stream)?.0;
+        poison(&stream, p, len * dtype.size_in_bytes())?;
     }
     Ok(s)
+}
+
+/// Whether fresh buffers are filled with NaN first (`MAMBA2_POISON=1`, read once).
+pub(crate) fn poisoning() -> bool {
+    static POISON: OnceLock<bool> = OnceLock::new();
+    *POISON.get_or_init(|| std::env::var("MAMBA2_POISON").is_ok_and(|v| v == "1"))
+}
+
+/// Fills `bytes` bytes at `p` with NaN (0xFF bytes) on `stream`.
+pub(crate) fn poison(stream: &CudaStream, p: u64, bytes: usize) -> Result<()> {
+    // SAFETY: the caller's `p` addresses at least `bytes` bytes allocated on this stream.
+    unsafe { result::memset_d8_async(p, 0xFF, bytes, stream.cu_stream()).w() }
 }
 
 /// Launches `f` on `stream`. On sm_90+ with programmatic stream serialization: the kernel may be

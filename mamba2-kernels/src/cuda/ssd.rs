@@ -2,9 +2,10 @@
 //! fwd_pass_state as a pair (every chunk's own state in parallel, then the scan across chunks)
 //! when P % 32 == 0, N % 16 == 0 and the chunk is at most 512, compute_out when P % 32 == 0, N is
 //! one of 16, 32, 64, 128, 256 and the chunk a power of two up to 256, both with 16-byte
-//! aligned tiles; everything else — f32, odd sizes or views — on the SIMT kernels. Inside `ssd`,
-//! fwd_pass_state also does stage 1: in the first kernel of the pair (raw dt of the values' type,
-//! up to `FUSE_PROGRAMS_PER_SM` programs per SM), else by the chunk_cumsum kernel before it.
+//! aligned tiles; everything else — f32, odd sizes or views — on the SIMT kernels. `ssd` launches
+//! the kernels of all three stages itself (no candle op between them), stage 1 inside the first
+//! kernel of the pair (raw dt of the values' type, up to `FUSE_PROGRAMS_PER_SM` programs per SM),
+//! else by the chunk_cumsum kernel before it, the intermediates in scratch memory.
 //! On sm_90+ both tensor-core kernels take x, b and (compute_out, states of the values' type)
 //! the chunk states as TMA tensor maps: one thread copies a tile instead of every thread a part.
 
@@ -12,17 +13,19 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
-use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::{
     alloc, cfg, dtype_name, function, has_tma, i, launch, max_smem, opt_ptr, ptr, rows_ptr,
-    sm_count, tensor_map_3d, Arg, Held, TensorMap,
+    scratch, sm_count, tensor_map_3d, Arg, Held, TensorMap,
 };
 use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
 use crate::check::SsdDims;
 use crate::chunk_cumsum::ChunkCumsum;
 use crate::compute_out::ComputeOut;
 use crate::fwd_pass_state::{FwdPassState, Steps};
+use crate::ssd::Call;
 use crate::ssd_step::SsdStep;
 
 /// The dimensions as the SSD kernels read them.
@@ -90,31 +93,47 @@ pub(crate) fn chunk_cumsum(
     let stream = dev.cuda_stream();
     let len = 2 * batch * nheads * seqlen;
     let out = alloc(dev, DType::F32, len)?;
-    let (a_p, _g) = ptr(name, "a", a_s, a_l, &stream)?;
+    let (a, _g1) = ptr(name, "a", a_s, a_l, &stream)?;
+    let (dt, dt_stride, _g2) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
+    let bias = op.dt_bias.as_ref().map(Held::new);
+    let raw = RawSteps {
+        stage: op,
+        dt,
+        dt_stride,
+        dtype: dt_s.dtype(),
+        a,
+        bias: opt_ptr(name, "dt_bias", &bias, &stream)?,
+    };
     let out_p = ptr(name, "out", &out, &Layout::contiguous(len), &stream)?.0;
-    launch_cumsum(op, dt_s, dt_l, a_p, out_p, &stream)?;
+    launch_cumsum(&raw, (batch, seqlen, nheads), out_p, &stream)?;
     Ok((out, Shape::from((2, batch, nheads, seqlen))))
 }
 
-/// The chunk_cumsum kernel from `dt` (rows possibly spaced) and `a` at `a_p` into the
-/// `[2,B,H,L]` f32 buffer at `out_p`.
+/// Raw step sizes `dt [B,L,H]` (rows `dt_stride` apart, of `dtype`), `a` and the bias (0: none)
+/// as addresses, with stage 1's options.
+struct RawSteps<'a> {
+    stage: &'a ChunkCumsum,
+    dt: u64,
+    dt_stride: i64,
+    dtype: DType,
+    a: u64,
+    bias: u64,
+}
+
+/// The chunk_cumsum kernel from `raw` (dimensions `(B, L, H)`) into the `[2,B,H,L]` f32 buffer
+/// at `out_p`.
 fn launch_cumsum(
-    op: &ChunkCumsum,
-    dt_s: &CudaStorage,
-    dt_l: &Layout,
-    a_p: u64,
+    raw: &RawSteps,
+    (batch, seqlen, nheads): (usize, usize, usize),
     out_p: u64,
     stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let name = "chunk_cumsum";
-    let (batch, seqlen, nheads) = dt_dims(name, dt_l)?;
-    let bias = op.dt_bias.as_ref().map(Held::new);
-    let (dt_p, dt_stride, _g) = rows_ptr(name, "dt", dt_s, dt_l, stream)?;
-    let bias_p = opt_ptr(name, "dt_bias", &bias, stream)?;
+    let op = raw.stage;
     let f = function(
         stream,
         CHUNK_CUMSUM,
-        &format!("chunk_cumsum_{}", dtype_name(name, dt_s.dtype())?),
+        &format!("chunk_cumsum_{}", dtype_name(name, raw.dtype)?),
     )?;
     let warps = nheads.min(8);
     let grid = (
@@ -129,7 +148,18 @@ fn launch_cumsum(
         &f,
         cfg(grid, (32, warps as u32, 1), 0),
         &[
-            &dt_p, &a_p, &bias_p, &out_p, &b, &l, &h, &c, &softplus, &lo, &hi, &dt_stride,
+            &raw.dt,
+            &raw.a,
+            &raw.bias,
+            &out_p,
+            &b,
+            &l,
+            &h,
+            &c,
+            &softplus,
+            &lo,
+            &hi,
+            &raw.dt_stride,
         ],
     )
 }
@@ -167,167 +197,169 @@ pub(crate) fn fwd_pass_state(
     let chunk = op.chunk_size;
     let nchunks = d.nchunks(chunk);
     let total = d.batch * d.nheads * (nchunks + 1) * d.headdim * d.dstate;
+    // Stage 1 and the final state come with the op only inside `ssd`, which launches its
+    // kernels itself on the GPU (`ssd` below).
+    let (Steps::Given(da), None) = (&op.steps, &op.final_state) else {
+        bail!("{name}: raw step sizes and a separate final state are for ssd's own launches")
+    };
     let out = alloc(dev, op.state_dtype, total)?;
-    let init = op.init_state.as_ref().map(Held::new);
-    let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
-    let (b_p, _g2) = ptr(name, "b", b_s, b_l, &stream)?;
-    // The step sizes: dt_out and da_cumsum given, or stage 1's buffer [2,B,H,L] made here (by
-    // chunk_state_mma's `_cs` form below, else by the chunk_cumsum kernel first).
-    let bhl = d.batch * d.nheads * d.seqlen;
-    let steps = match &op.steps {
-        Steps::Given(da) => StepsIn::Given(Held::new(da)),
-        Steps::Raw { a, stage } => {
-            StepsIn::Raw(alloc(dev, DType::F32, 2 * bhl)?, Held::new(a), stage)
-        }
+    let (init, da) = (op.init_state.as_ref().map(Held::new), Held::new(da));
+    let (x, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
+    let (b, _g2) = ptr(name, "b", b_s, b_l, &stream)?;
+    let (dt, _g3) = ptr(name, "dt_out", dt_s, dt_l, &stream)?;
+    let p = PassPtrs {
+        x,
+        b,
+        init: opt_ptr(name, "init_state", &init, &stream)?,
+        states: ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0,
+        dt,
+        da: da.ptr(name, "da_cumsum", &stream)?,
     };
-    let (dt_p, da_p, steps_guard) = match &steps {
-        StepsIn::Given(da) => {
-            let (p, g) = ptr(name, "dt_out", dt_s, dt_l, &stream)?;
-            (p, da.ptr(name, "da_cumsum", &stream)?, g)
-        }
-        StepsIn::Raw(buf, ..) => {
-            let (p, g) = ptr(name, "steps", buf, &Layout::contiguous(2 * bhl), &stream)?;
-            (p, p + 4 * bhl as u64, g)
-        }
-    };
-    let init_p = opt_ptr(name, "init_state", &init, &stream)?;
-    let out_p = ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0;
-    // The final state's own storage, written with slot C when the caller asked for it (allocated
-    // once the first kernel is on its way).
-    let final_state = || -> Result<(Option<CudaStorage>, u64)> {
-        let pn = d.batch * d.nheads * d.headdim * d.dstate;
-        let Some(_) = &op.final_state else {
-            return Ok((None, 0));
-        };
-        let l = alloc(dev, op.state_dtype, pn)?;
-        let p = ptr(name, "final_state", &l, &Layout::contiguous(pn), &stream)?.0;
-        Ok((Some(l), p))
-    };
-    let kd = KDims::new(&d, chunk)?;
-    let (t, s) = (
-        dtype_name(name, x_s.dtype())?,
-        dtype_name(name, op.state_dtype)?,
-    );
-    let bh = (d.batch * d.nheads) as u32;
+    let types = (x_s.dtype(), op.state_dtype);
+    state_pass(&d, chunk, types, &p, None, &stream, || Ok(0))?;
     let shape = Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate));
-    if matches!(x_s.dtype(), DType::BF16 | DType::F16) && chunk % 16 == 0 {
-        let max = max_smem(&stream)?;
-        let ptrs = [x_p, b_p, init_p];
-        let pair = chunk_state_tile(&d, chunk, op.state_dtype.size_in_bytes(), &ptrs, max);
-        if let Some((warps, nt, smem)) = pair {
-            // Every chunk's own contribution in parallel (stage 1 on the way when the step sizes
-            // are raw dt of the values' type), one program per (batch, head, chunk, tile), then
-            // the scan across chunks.
-            let programs =
-                d.batch * d.nheads * nchunks * (d.dstate / nt) * (d.headdim / (16 * warps));
-            let grid = (i(programs)? as u32, 1, 1);
-            let sms = sm_count(&stream)?;
-            let fuse = dt_s.dtype() == x_s.dtype() && programs <= FUSE_PROGRAMS_PER_SM * sms;
-            // Stage 1's pointers for the `_cs` form (with the guards of what they address), or
-            // stage 1 by its own kernel first.
-            let fused = match &steps {
-                StepsIn::Raw(_, a, stage) if fuse => {
-                    let bias = stage.dt_bias.as_ref().map(Held::new);
-                    let (dt_raw, dt_stride, guard) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
-                    let ks = KSteps {
-                        dt: dt_raw,
-                        a: a.ptr(name, "a", &stream)?,
-                        bias: opt_ptr(name, "dt_bias", &bias, &stream)?,
-                        out: dt_p,
-                        dt_stride,
-                        softplus: stage.dt_softplus as i32,
-                        lo: stage.dt_limit.0,
-                        hi: stage.dt_limit.1,
-                    };
-                    Some((ks, bias, guard))
-                }
-                _ => {
-                    stage_one(&steps, dt_s, dt_l, dt_p, &stream)?;
-                    None
-                }
-            };
-            // On sm_90+ the x and b tiles come by tensor map (one thread issues the copies),
-            // their shared tiles aligned to 1024 bytes instead of the 128 `smem` allows for.
-            let tma_smem = smem - 128 + 1024;
-            let tma = has_tma(&stream)? && tma_smem <= max;
-            let maps = if tma {
-                let rows = box_rows(chunk);
-                let tx = token_map(x_p, x_s.dtype(), d.nheads * d.headdim, &d, 16 * warps, rows)?;
-                let tb = token_map(b_p, b_s.dtype(), d.ngroups * d.dstate, &d, nt.min(64), rows)?;
-                Some((tx, tb, i(rows)?))
-            } else {
-                None
-            };
-            let launch_cfg = cfg(
-                grid,
-                (32 * warps as u32, 1, 1),
-                if tma { tma_smem } else { smem },
-            );
-            let (kernel, args): (_, Vec<&dyn Arg>) = match (&fused, &maps) {
-                (Some((ks, ..)), Some((tx, tb, rows))) => (
-                    "chunk_state_mma_tma_cs",
-                    vec![tx, tb, rows, &out_p, &kd, ks],
-                ),
-                (None, Some((tx, tb, rows))) => (
-                    "chunk_state_mma_tma",
-                    vec![tx, tb, rows, &dt_p, &da_p, &out_p, &kd],
-                ),
-                (Some((ks, ..)), None) => ("chunk_state_mma_cs", vec![&x_p, &b_p, &out_p, &kd, ks]),
-                (None, None) => (
-                    "chunk_state_mma",
-                    vec![&x_p, &b_p, &dt_p, &da_p, &out_p, &kd],
-                ),
-            };
-            let f = function(
-                &stream,
-                FWD_PASS_STATE,
-                &format!("{kernel}_{t}_{s}_w{warps}_n{nt}"),
-            )?;
-            launch(&stream, &f, launch_cfg, &args)?;
-            let (last, last_p) = final_state()?;
-            out_buffer(op, x_s)?;
-            // The scan's ring of chunks in flight: 128 bytes per thread, or 256 (`_deep`) where
-            // that would leave too few bytes in flight per SM.
-            let threads = d.batch * d.nheads * d.headdim * d.dstate / 8;
-            let deep = threads * 128 < SCAN_BYTES_PER_SM * sms;
-            let ring = if deep { "_deep" } else { "" };
-            let f = function(&stream, FWD_PASS_STATE, &format!("state_scan{ring}_{s}"))?;
-            // The next kernel (compute_out in `ssd`, which loads c and b and forms C·Bᵀ before it
-            // waits) may be scheduled from this chunk of the scan on: at once after the usual
-            // ring; three quarters in for the deep ring, whose few threads suffer early blocks
-            // beside them (H200, session 11 runs 5 and 9: N=64 110.4 → 107.3 µs graph; at once,
-            // the 130m layer 21.6 → 24.0).
-            let mut kd = kd;
-            kd.release_at = if deep { i(3 * nchunks / 4)? } else { 0 };
-            let grid = ((d.headdim * d.dstate / 8).div_ceil(256) as u32, bh, 1);
-            launch(
-                &stream,
-                &f,
-                cfg(grid, (256, 1, 1), 0),
-                &[&da_p, &init_p, &out_p, &last_p, &kd],
-            )?;
-            drop(steps_guard);
-            put_outputs(op, steps, last)?;
-            return Ok((out, shape));
-        }
-    }
-    stage_one(&steps, dt_s, dt_l, dt_p, &stream)?;
-    let (last, last_p) = final_state()?;
-    let f = function(
-        &stream,
-        FWD_PASS_STATE,
-        &format!("fwd_pass_state_simt_{t}_{s}"),
-    )?;
-    let grid = ((d.headdim * d.dstate).div_ceil(256) as u32, bh, 1);
-    launch(
-        &stream,
-        &f,
-        cfg(grid, (256, 1, 1), chunk * 4),
-        &[&x_p, &b_p, &dt_p, &da_p, &init_p, &out_p, &last_p, &kd],
-    )?;
-    drop(steps_guard);
-    put_outputs(op, steps, last)?;
     Ok((out, shape))
+}
+
+/// A state pass's tensors as addresses: x, b, the initial state (0: zeros), the chunk states,
+/// and dt_out and da_cumsum (read, or written by stage 1 when the step sizes are raw).
+struct PassPtrs {
+    x: u64,
+    b: u64,
+    init: u64,
+    states: u64,
+    dt: u64,
+    da: u64,
+}
+
+/// Launches a state pass with values of type `vt` and states of type `st`: with `raw` step
+/// sizes, stage 1 first (inside chunk_state_mma's `_cs` form, else by the chunk_cumsum kernel);
+/// then the chunk states. `before_last` runs once the first kernel is on its way and gives the
+/// final state's address (0: none), after allocating whatever the caller needs before the last
+/// kernel (`ssd`: compute_out's output, so that nothing comes between that kernel and
+/// compute_out in the stream — in a captured graph an allocation is a node of its own).
+fn state_pass(
+    d: &SsdDims,
+    chunk: usize,
+    (vt, st): (DType, DType),
+    p: &PassPtrs,
+    raw: Option<&RawSteps>,
+    stream: &Arc<CudaStream>,
+    before_last: impl FnOnce() -> Result<u64>,
+) -> Result<()> {
+    let name = "fwd_pass_state";
+    let nchunks = d.nchunks(chunk);
+    let kd = KDims::new(d, chunk)?;
+    let (t, s) = (dtype_name(name, vt)?, dtype_name(name, st)?);
+    let bh = (d.batch * d.nheads) as u32;
+    let dims = (d.batch, d.seqlen, d.nheads);
+    let max = max_smem(stream)?;
+    let ptrs = [p.x, p.b, p.init];
+    let pair = matches!(vt, DType::BF16 | DType::F16) && chunk % 16 == 0;
+    let tile = pair
+        .then(|| chunk_state_tile(d, chunk, st.size_in_bytes(), &ptrs, max))
+        .flatten();
+    let Some((warps, nt, smem)) = tile else {
+        if let Some(raw) = raw {
+            launch_cumsum(raw, dims, p.dt, stream)?;
+        }
+        let last_p = before_last()?;
+        let f = function(
+            stream,
+            FWD_PASS_STATE,
+            &format!("fwd_pass_state_simt_{t}_{s}"),
+        )?;
+        let grid = ((d.headdim * d.dstate).div_ceil(256) as u32, bh, 1);
+        return launch(
+            stream,
+            &f,
+            cfg(grid, (256, 1, 1), chunk * 4),
+            &[&p.x, &p.b, &p.dt, &p.da, &p.init, &p.states, &last_p, &kd],
+        );
+    };
+    // Every chunk's own contribution in parallel (stage 1 on the way when the step sizes are raw
+    // dt of the values' type), one program per (batch, head, chunk, tile), then the scan across
+    // chunks.
+    let programs = d.batch * d.nheads * nchunks * (d.dstate / nt) * (d.headdim / (16 * warps));
+    let grid = (i(programs)? as u32, 1, 1);
+    let sms = sm_count(stream)?;
+    let fused = match raw {
+        Some(r) if r.dtype == vt && programs <= FUSE_PROGRAMS_PER_SM * sms => Some(KSteps {
+            dt: r.dt,
+            a: r.a,
+            bias: r.bias,
+            out: p.dt,
+            dt_stride: r.dt_stride,
+            softplus: r.stage.dt_softplus as i32,
+            lo: r.stage.dt_limit.0,
+            hi: r.stage.dt_limit.1,
+        }),
+        Some(r) => {
+            launch_cumsum(r, dims, p.dt, stream)?;
+            None
+        }
+        None => None,
+    };
+    // On sm_90+ the x and b tiles come by tensor map (one thread issues the copies), their
+    // shared tiles aligned to 1024 bytes instead of the 128 `smem` allows for.
+    let tma_smem = smem - 128 + 1024;
+    let tma = has_tma(stream)? && tma_smem <= max;
+    let maps = if tma {
+        let rows = box_rows(chunk);
+        let tx = token_map(p.x, vt, d.nheads * d.headdim, d, 16 * warps, rows)?;
+        let tb = token_map(p.b, vt, d.ngroups * d.dstate, d, nt.min(64), rows)?;
+        Some((tx, tb, i(rows)?))
+    } else {
+        None
+    };
+    let launch_cfg = cfg(
+        grid,
+        (32 * warps as u32, 1, 1),
+        if tma { tma_smem } else { smem },
+    );
+    let (kernel, args): (_, Vec<&dyn Arg>) = match (&fused, &maps) {
+        (Some(ks), Some((tx, tb, rows))) => (
+            "chunk_state_mma_tma_cs",
+            vec![tx, tb, rows, &p.states, &kd, ks],
+        ),
+        (None, Some((tx, tb, rows))) => (
+            "chunk_state_mma_tma",
+            vec![tx, tb, rows, &p.dt, &p.da, &p.states, &kd],
+        ),
+        (Some(ks), None) => ("chunk_state_mma_cs", vec![&p.x, &p.b, &p.states, &kd, ks]),
+        (None, None) => (
+            "chunk_state_mma",
+            vec![&p.x, &p.b, &p.dt, &p.da, &p.states, &kd],
+        ),
+    };
+    let f = function(
+        stream,
+        FWD_PASS_STATE,
+        &format!("{kernel}_{t}_{s}_w{warps}_n{nt}"),
+    )?;
+    launch(stream, &f, launch_cfg, &args)?;
+    let last_p = before_last()?;
+    // The scan's ring of chunks in flight: 128 bytes per thread, or 256 (`_deep`) where that
+    // would leave too few bytes in flight per SM.
+    let threads = d.batch * d.nheads * d.headdim * d.dstate / 8;
+    let deep = threads * 128 < SCAN_BYTES_PER_SM * sms;
+    let ring = if deep { "_deep" } else { "" };
+    let f = function(stream, FWD_PASS_STATE, &format!("state_scan{ring}_{s}"))?;
+    // The next kernel (compute_out in `ssd`, which loads c and b and forms C·Bᵀ before it
+    // waits) may be scheduled from this chunk of the scan on: at once after the usual ring;
+    // three quarters in for the deep ring, whose few threads suffer early blocks beside them
+    // (H200, session 11 runs 5 and 9: N=64 110.4 → 107.3 µs graph; at once, the 130m layer
+    // 21.6 → 24.0).
+    let mut kd = kd;
+    kd.release_at = if deep { i(3 * nchunks / 4)? } else { 0 };
+    let grid = ((d.headdim * d.dstate / 8).div_ceil(256) as u32, bh, 1);
+    launch(
+        stream,
+        &f,
+        cfg(grid, (256, 1, 1), 0),
+        &[&p.da, &p.init, &p.states, &last_p, &kd],
+    )?;
+    Ok(())
 }
 
 /// Stage 1 runs inside chunk_state_mma (its `_cs` form) while that kernel has at most this many
@@ -345,58 +377,6 @@ const FUSE_PROGRAMS_PER_SM: usize = 32;
 /// 60.9 / 57.5, 130m layer (23 KB) 15.1 / 14.9; at 32 KB — L=4096 27.4 / 26.8, seed 93.3 / 92.5,
 /// L=65536 353.9 / 355.4 — and 78 KB (2.7b layer, 31.8 / 32.6) the deep ring does not pay.
 const SCAN_BYTES_PER_SM: usize = 24 * 1024;
-
-/// fwd_pass_state's step sizes on the device: the held da_cumsum (dt_out is the op's input), or
-/// stage 1's buffer with the raw step sizes' `a` and options.
-enum StepsIn<'a> {
-    Given(Held<'a>),
-    Raw(CudaStorage, Held<'a>, &'a ChunkCumsum),
-}
-
-/// Stage 1 by the chunk_cumsum kernel into the buffer at `out_p`, where the step sizes are raw.
-fn stage_one(
-    steps: &StepsIn,
-    dt_s: &CudaStorage,
-    dt_l: &Layout,
-    out_p: u64,
-    stream: &Arc<CudaStream>,
-) -> Result<()> {
-    match steps {
-        StepsIn::Raw(_, a, stage) => {
-            let a_p = a.ptr("fwd_pass_state", "a", stream)?;
-            launch_cumsum(stage, dt_s, dt_l, a_p, out_p, stream)
-        }
-        StepsIn::Given(_) => Ok(()),
-    }
-}
-
-/// Allocates compute_out's output where the caller asked for it (`ssd`): before the scan is
-/// launched, so that nothing comes between the scan and compute_out in the stream — in a captured
-/// graph an allocation becomes a node of its own, and compute_out could not start early.
-fn out_buffer(op: &FwdPassState, x_s: &CudaStorage) -> Result<()> {
-    let Some(slot) = &op.out_buffer else {
-        return Ok(());
-    };
-    let d = op.dims;
-    let y = alloc(
-        &x_s.device,
-        x_s.dtype(),
-        d.batch * d.seqlen * d.nheads * d.headdim,
-    )?;
-    slot.put("fwd_pass_state", Storage::Cuda(y))
-}
-
-/// Leaves the final state and stage 1's buffer in the op's slots.
-fn put_outputs(op: &FwdPassState, steps: StepsIn, last: Option<CudaStorage>) -> Result<()> {
-    let name = "fwd_pass_state";
-    if let StepsIn::Raw(buf, ..) = steps {
-        op.steps_out.put(name, Storage::Cuda(buf))?;
-    }
-    match (&op.final_state, last) {
-        (Some(slot), Some(l)) => slot.put(name, Storage::Cuda(l)),
-        _ => Ok(()),
-    }
-}
 
 /// The tensor map of a `[B, L, row]` tensor of 2-byte values at `p` (x, b), boxes of `cols`
 /// channels by `rows` tokens of one sequence (tokens past its end read as zeros).
@@ -477,15 +457,8 @@ pub(crate) fn compute_out(
     let d = op.dims;
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
-    let chunk = op.chunk_size;
-    let nchunks = d.nchunks(chunk);
     let total = d.batch * d.seqlen * d.nheads * d.headdim;
-    // The buffer the state pass made for y (see `out_buffer`), else a fresh one.
-    let out = match op.out.take_storage(name)? {
-        Some(Storage::Cuda(y)) => y,
-        Some(_) => bail!("{name}: its output buffer is not on the CUDA device"),
-        None => alloc(dev, x_s.dtype(), total)?,
-    };
+    let out = alloc(dev, x_s.dtype(), total)?;
     let (b, dt, da) = (
         Held::new(&op.b),
         Held::new(&op.dt_out),
@@ -493,38 +466,73 @@ pub(crate) fn compute_out(
     );
     let dskip = op.d.as_ref().map(Held::new);
     let z = op.z.as_ref().map(Held::new);
-    let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
-    let (c_p, _g2) = ptr(name, "c", c_s, c_l, &stream)?;
-    let (st_p, _g3) = ptr(name, "states", st_s, st_l, &stream)?;
-    let b_p = b.ptr(name, "b", &stream)?;
-    let dt_p = dt.ptr(name, "dt_out", &stream)?;
-    let da_p = da.ptr(name, "da_cumsum", &stream)?;
-    let d_p = opt_ptr(name, "D", &dskip, &stream)?;
-    let z_p = opt_ptr(name, "z", &z, &stream)?;
-    let y_p = ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0;
-    let mut kd = KDims::new(&d, chunk)?;
-    kd.d_per_channel = op.d.as_ref().is_some_and(|t| t.rank() == 2) as i32;
-    kd.early = op.early as i32;
-    let (t, s) = (
-        dtype_name(name, x_s.dtype())?,
-        dtype_name(name, st_s.dtype())?,
-    );
+    let (x, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
+    let (c, _g2) = ptr(name, "c", c_s, c_l, &stream)?;
+    let (states, _g3) = ptr(name, "states", st_s, st_l, &stream)?;
+    let p = OutPtrs {
+        x,
+        b: b.ptr(name, "b", &stream)?,
+        c,
+        dt: dt.ptr(name, "dt_out", &stream)?,
+        da: da.ptr(name, "da_cumsum", &stream)?,
+        states,
+        d: opt_ptr(name, "D", &dskip, &stream)?,
+        z: opt_ptr(name, "z", &z, &stream)?,
+        y: ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0,
+    };
+    let d_per_channel = op.d.as_ref().is_some_and(|t| t.rank() == 2);
+    let types = (x_s.dtype(), st_s.dtype());
+    out_pass(&d, op.chunk_size, types, &p, d_per_channel, false, &stream)?;
+    Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
+}
+
+/// compute_out's tensors as addresses (`d`, `z`: 0 when absent).
+struct OutPtrs {
+    x: u64,
+    b: u64,
+    c: u64,
+    dt: u64,
+    da: u64,
+    states: u64,
+    d: u64,
+    z: u64,
+    y: u64,
+}
+
+/// Launches compute_out with values of type `vt` and chunk states of type `st`; `early` when the
+/// kernel before it on the stream is the state pass's last, which wrote only the states (see
+/// `KDims::early`).
+fn out_pass(
+    d: &SsdDims,
+    chunk: usize,
+    (vt, st): (DType, DType),
+    p: &OutPtrs,
+    d_per_channel: bool,
+    early: bool,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    let name = "compute_out";
+    let nchunks = d.nchunks(chunk);
+    let mut kd = KDims::new(d, chunk)?;
+    kd.d_per_channel = d_per_channel as i32;
+    kd.early = early as i32;
+    let (t, s) = (dtype_name(name, vt)?, dtype_name(name, st)?);
     // 16-byte aligned x, b, c and states for the tile copies; z is read in pairs.
-    let aligned = [x_p, b_p, c_p, st_p].iter().all(|p| p % 16 == 0) && z_p % 4 == 0;
-    let mma = matches!(x_s.dtype(), DType::BF16 | DType::F16)
+    let aligned = [p.x, p.b, p.c, p.states].iter().all(|a| a % 16 == 0) && p.z % 4 == 0;
+    let mma = matches!(vt, DType::BF16 | DType::F16)
         && aligned
         && d.headdim % 32 == 0
         && matches!(d.dstate, 16 | 32 | 64 | 128 | 256)
         && chunk.is_power_of_two()
         && (16..=256).contains(&chunk)
-        && tile_offsets_fit(&d, chunk);
+        && tile_offsets_fit(d, chunk);
     let ptile = if d.headdim % 64 == 0 && d.dstate <= 128 {
         64
     } else {
         32
     };
-    let limit = max_smem(&stream)?;
-    let sms = sm_count(&stream)?;
+    let limit = max_smem(stream)?;
+    let sms = sm_count(stream)?;
     let plan = mma
         .then(|| {
             out_plan(
@@ -543,12 +551,12 @@ pub(crate) fn compute_out(
         let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
         // On sm_90+ with states of the value type, the unit tiles come by tensor map (the states
         // as rows of N).
-        let maps = if has_tma(&stream)? && st_s.dtype() == x_s.dtype() {
+        let maps = if has_tma(stream)? && st == vt {
             let rows = d.batch * d.nheads * (nchunks + 1) * d.headdim;
-            let tx = token_map(x_p, x_s.dtype(), d.nheads * d.headdim, &d, ptile, chunk)?;
+            let tx = token_map(p.x, vt, d.nheads * d.headdim, d, ptile, chunk)?;
             let th = tensor_map_3d(
-                st_p,
-                st_s.dtype(),
+                p.states,
+                st,
                 [n, rows, 1],
                 [n, rows * n],
                 [n.min(64), ptile, 1],
@@ -560,31 +568,107 @@ pub(crate) fn compute_out(
         let (kernel, args): (_, Vec<&dyn Arg>) = match &maps {
             Some((tx, th)) => (
                 format!("compute_out_mma_tma_{t}_n{n}_p{ptile}"),
-                vec![tx, th, &b_p, &c_p, &dt_p, &da_p, &d_p, &z_p, &y_p, &kd],
+                vec![tx, th, &p.b, &p.c, &p.dt, &p.da, &p.d, &p.z, &p.y, &kd],
             ),
             None => (
                 format!("compute_out_mma_{t}_{s}_n{n}_p{ptile}"),
-                vec![&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
+                vec![
+                    &p.x, &p.b, &p.c, &p.dt, &p.da, &p.states, &p.d, &p.z, &p.y, &kd,
+                ],
             ),
         };
-        let f = function(&stream, COMPUTE_OUT, &kernel)?;
-        launch(
-            &stream,
-            &f,
-            cfg(grid, (2 * chunk as u32, 1, 1), smem),
-            &args,
-        )?;
-        return Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))));
+        let f = function(stream, COMPUTE_OUT, &kernel)?;
+        return launch(stream, &f, cfg(grid, (2 * chunk as u32, 1, 1), smem), &args);
     }
-    let f = function(&stream, COMPUTE_OUT, &format!("compute_out_simt_{t}_{s}"))?;
+    let f = function(stream, COMPUTE_OUT, &format!("compute_out_simt_{t}_{s}"))?;
     let grid = (nchunks as u32, (d.batch * d.nheads) as u32, 1);
     launch(
-        &stream,
+        stream,
         &f,
         cfg(grid, (256, 1, 1), 16 * chunk * 4),
-        &[&x_p, &b_p, &c_p, &dt_p, &da_p, &st_p, &d_p, &z_p, &y_p, &kd],
-    )?;
-    Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
+        &[
+            &p.x, &p.b, &p.c, &p.dt, &p.da, &p.states, &p.d, &p.z, &p.y, &kd,
+        ],
+    )
+}
+
+/// [`crate::ssd`] on the GPU: the state pass and compute_out launched back to back from here (no
+/// candle op between them), stage 1's step sizes and the chunk states in the stream's scratch
+/// buffer ([`scratch`]), y and the final state allocated once the first kernel is on its way. For
+/// calls whose intermediates fit that buffer nothing is allocated before the first launch.
+pub(crate) fn ssd(call: &Call) -> Result<(Tensor, Tensor)> {
+    let name = "ssd";
+    let d = call.dims;
+    let chunk = call.stage.chunk_size;
+    let (x, b, c) = (Held::new(call.x), Held::new(call.b), Held::new(call.c));
+    let (dt, a) = (Held::new(call.dt), Held::new(call.a));
+    let bias = call.stage.dt_bias.as_ref().map(Held::new);
+    let (dskip, z, init) = (
+        call.d.map(Held::new),
+        call.z.map(Held::new),
+        call.init.map(Held::new),
+    );
+    let x_s = x.cuda(name, "x")?;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let (vt, st) = (x_s.dtype(), call.state_dtype);
+    let bhl = d.batch * d.nheads * d.seqlen;
+    let states_len = d.batch * d.nheads * (d.nchunks(chunk) + 1) * d.headdim * d.dstate;
+    // [chunk states | dt_out | da_cumsum], each part 256-byte aligned.
+    let states_bytes = (states_len * st.size_in_bytes()).next_multiple_of(256);
+    let scratch = scratch::take(&stream, states_bytes + 8 * bhl)?;
+    let states = scratch.ptr(&stream);
+    let steps = states + states_bytes as u64;
+    let dt_s = dt.cuda(name, "dt")?;
+    let (dt_raw, dt_stride, _g) = rows_ptr(name, "dt", dt_s, dt.layout, &stream)?;
+    let raw = RawSteps {
+        stage: call.stage,
+        dt: dt_raw,
+        dt_stride,
+        dtype: dt_s.dtype(),
+        a: a.ptr(name, "a", &stream)?,
+        bias: opt_ptr(name, "dt_bias", &bias, &stream)?,
+    };
+    let p = PassPtrs {
+        x: x.ptr(name, "x", &stream)?,
+        b: b.ptr(name, "b", &stream)?,
+        init: opt_ptr(name, "initial_state", &init, &stream)?,
+        states,
+        dt: steps,
+        da: steps + 4 * bhl as u64,
+    };
+    let pn = d.batch * d.nheads * d.headdim * d.dstate;
+    let total = d.batch * d.seqlen * d.nheads * d.headdim;
+    let mut outs = None;
+    state_pass(&d, chunk, (vt, st), &p, Some(&raw), &stream, || {
+        let last = alloc(dev, st, pn)?;
+        let y = alloc(dev, vt, total)?;
+        let last_p = ptr(name, "final_state", &last, &Layout::contiguous(pn), &stream)?.0;
+        outs = Some((last, y));
+        Ok(last_p)
+    })?;
+    let Some((last, y)) = outs else {
+        bail!("{name}: the state pass allocated no outputs")
+    };
+    let o = OutPtrs {
+        x: p.x,
+        b: p.b,
+        c: c.ptr(name, "c", &stream)?,
+        dt: p.dt,
+        da: p.da,
+        states,
+        d: opt_ptr(name, "D", &dskip, &stream)?,
+        z: opt_ptr(name, "z", &z, &stream)?,
+        y: ptr(name, "y", &y, &Layout::contiguous(total), &stream)?.0,
+    };
+    let d_per_channel = call.d.is_some_and(|t| t.rank() == 2);
+    out_pass(&d, chunk, (vt, st), &o, d_per_channel, true, &stream)?;
+    let y_shape = (d.batch, d.seqlen, d.nheads, d.headdim);
+    let last_shape = (d.batch, d.nheads, d.headdim, d.dstate);
+    Ok((
+        Tensor::from_storage(Storage::Cuda(y), y_shape, BackpropOp::none(), false),
+        Tensor::from_storage(Storage::Cuda(last), last_shape, BackpropOp::none(), false),
+    ))
 }
 
 /// Shared memory of `compute_out_mma` in bytes (its `Layout`, 2-byte values): C·Bᵀ in 16×16
