@@ -46,6 +46,11 @@ impl Default for SsdOptions<'_> {
 /// Runs the SSD over `x [B,L,H,P]` with `dt [B,L,H]`, `a [H]` f32, `b, c [B,L,G,N]`.
 ///
 /// Returns `(y [B,L,H,P] in x's dtype, final_state [B,H,P,N] in opts.state_dtype)`.
+///
+/// On CUDA the intermediates (stage 1's step sizes and the chunk states) go to a scratch buffer
+/// that the calling thread keeps for the stream and reuses on later calls when they need at most
+/// 64 MiB (L = 4096 at B=4, H=8, N=128, bf16 states: 18 MiB); larger ones, and calls made while
+/// the stream is being captured into a CUDA graph, allocate theirs per call.
 pub fn ssd(
     x: &Tensor,
     dt: &Tensor,
