@@ -355,6 +355,54 @@ fn back_to_back_and_graph_calls_match_single_calls() -> Result<()> {
     Ok(())
 }
 
+/// cudarc orders work across streams by events on every buffer (candle's default): `ssd`'s
+/// outputs carry the write event of the kernels that produce them, so a copy on another stream
+/// issued right after the call (L = 65,536: hundreds of µs of kernels still to run) waits for
+/// them instead of reading the NaN poison of a fresh buffer.
+#[test]
+fn outputs_are_ordered_for_other_streams() -> Result<()> {
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::Storage;
+
+    let dev = gpu();
+    let mut s = spec(65536, 8, 1, 64, 128, 128, DType::BF16);
+    s.state_dtype = DType::BF16;
+    let pb = Problem::new(&s, &mut Rng::new(9500), &Device::Cpu)?.to_device(&dev)?;
+    let run = || k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &pb.options());
+    let (y_ref, s_ref) = run()?;
+    let want = [
+        y_ref.flatten_all()?.to_vec1::<half::bf16>()?,
+        s_ref.flatten_all()?.to_vec1::<half::bf16>()?,
+    ];
+    let other = dev
+        .as_cuda_device()?
+        .cuda_stream()
+        .context()
+        .new_stream()
+        .w()?;
+    for round in 0..3 {
+        let (y, st) = run()?;
+        for ((t, want), what) in [&y, &st].into_iter().zip(&want).zip(["y", "final state"]) {
+            let (storage, _) = t.storage_and_layout();
+            let Storage::Cuda(cuda) = &*storage else {
+                panic!("{what} is not on the GPU")
+            };
+            let got = other.clone_dtoh(cuda.as_cuda_slice::<half::bf16>()?).w()?;
+            other.synchronize().w()?;
+            let same = got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "round {round}: {what} copied on another stream differs"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// L = 1,048,576 tokens: finite outputs, and the final state agrees with the CPU ops.
 #[test]
 fn million_token_sequence_stays_finite() -> Result<()> {

@@ -7,7 +7,8 @@ use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage};
 
 use super::{
-    alloc, cfg, dtype_name, function, i, launch, opt_ptr, ptr, rows_ptr, Held, CAUSAL_CONV1D,
+    alloc, cfg, dtype_name, function, i, launch, opt_ptr, ptr, rows_ptr, written, Guards, Held,
+    CAUSAL_CONV1D,
 };
 use crate::causal_conv1d::{CausalConv1d, CausalConv1dStep};
 
@@ -79,10 +80,11 @@ pub(crate) fn causal_conv1d(
     let state_len = d.batch * d.dim * d.width;
     let st_out = alloc(dev, x_s.dtype(), state_len)?;
     let bias = conv.bias.as_ref().map(Held::new);
+    let mut guards = Guards::new();
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
     let (st_p, _g3) = ptr(op, "initial_state", st_s, st_l, &stream)?;
-    let bias_p = opt_ptr(op, "bias", &bias, &stream)?;
+    let bias_p = opt_ptr(op, "bias", &bias, &stream, &mut guards)?;
     let so_p = ptr(
         op,
         "state",
@@ -108,6 +110,11 @@ pub(crate) fn causal_conv1d(
             &x_p, &w_p, &bias_p, &st_p, &out, &so_p, &b, &l, &dd, &k, &x_stride, &silu,
         ],
     )?;
+    let mut st_out = st_out;
+    written(&mut st_out, &stream)?;
+    for y in ys.iter_mut() {
+        written(y, &stream)?;
+    }
     conv.state_out.put(op, Storage::Cuda(st_out))?;
     let rest = ys.split_off(1);
     for (slot, y) in conv.rest.iter().zip(rest) {
@@ -130,12 +137,13 @@ pub(crate) fn causal_conv1d_step(
     let d = step.dims;
     let dev = x_s.device.clone();
     let stream = dev.cuda_stream();
-    let (ys, out) = pieces(op, &dev, &stream, x_s.dtype(), d.batch, &step.split)?;
+    let (mut ys, out) = pieces(op, &dev, &stream, x_s.dtype(), d.batch, &step.split)?;
     let (w, bias) = (Held::new(&step.weight), step.bias.as_ref().map(Held::new));
+    let mut guards = Guards::new();
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
-    let w_p = w.ptr(op, "weight", &stream)?;
-    let bias_p = opt_ptr(op, "bias", &bias, &stream)?;
-    let (st_p, _g3) = ptr(op, "state", st_s, st_l, &stream)?;
+    let w_p = w.ptr(op, "weight", &stream, &mut guards)?;
+    let bias_p = opt_ptr(op, "bias", &bias, &stream, &mut guards)?;
+    let (st_p, g3) = ptr(op, "state", st_s, st_l, &stream)?;
     let name = format!("causal_conv1d_step_{}", dtype_name(op, x_s.dtype())?);
     let f = function(&stream, CAUSAL_CONV1D, &name)?;
     let (b, dd, k) = (i(d.batch)?, i(d.dim)?, i(d.width)?);
@@ -152,6 +160,11 @@ pub(crate) fn causal_conv1d_step(
             &st_p, &x_p, &w_p, &bias_p, &out, &b, &dd, &k, &x_stride, &silu,
         ],
     )?;
+    drop(g3);
+    written(st_s, &stream)?;
+    for y in ys.iter_mut() {
+        written(y, &stream)?;
+    }
     for (slot, y) in step.pieces.iter().zip(ys) {
         slot.put(op, Storage::Cuda(y))?;
     }

@@ -5,7 +5,10 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, Layout, Result, Shape};
 
-use super::{alloc, cfg, dtype_name, function, i, launch, opt_ptr, ptr, sm_count, Held, MATVEC};
+use super::{
+    alloc, cfg, dtype_name, function, i, launch, opt_ptr, ptr, sm_count, written, Guards, Held,
+    MATVEC,
+};
 use crate::matvec::Matvec;
 
 const WARPS: usize = 4;
@@ -33,11 +36,12 @@ pub(crate) fn matvec(
     let n = w_l.shape().dims2()?.0;
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
-    let y = alloc(dev, x_s.dtype(), rows * n)?;
+    let mut y = alloc(dev, x_s.dtype(), rows * n)?;
     let bias = op.bias.as_ref().map(Held::new);
+    let mut guards = Guards::new();
     let (x_p, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(name, "w", w_s, w_l, &stream)?;
-    let bias_p = opt_ptr(name, "bias", &bias, &stream)?;
+    let bias_p = opt_ptr(name, "bias", &bias, &stream, &mut guards)?;
     let y_p = ptr(name, "y", &y, &Layout::contiguous(rows * n), &stream)?.0;
     let vec = k % 8 == 0 && x_p % 16 == 0 && w_p % 16 == 0;
     let per_program = rows.next_power_of_two().min(8);
@@ -63,5 +67,6 @@ pub(crate) fn matvec(
         cfg(grid, (32 * WARPS as u32, 1, 1), 0),
         &[&x_p, &w_p, &bias_p, &y_p, &r, &kk, &nn],
     )?;
+    written(&mut y, &stream)?;
     Ok((y, Shape::from((rows, n))))
 }

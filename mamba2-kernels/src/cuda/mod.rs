@@ -20,8 +20,8 @@ use candle_core::cuda_backend::cudarc::driver::sys::{
     self, CUdevice_attribute, CUfunction_attribute,
 };
 use candle_core::cuda_backend::cudarc::driver::{
-    result, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    SyncOnDrop,
+    result, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
@@ -316,6 +316,26 @@ pub(crate) fn rows_ptr<'a>(
     ))
 }
 
+/// The stream guards of a launch's inputs. Each records its tensor's read event when dropped
+/// (cudarc's event tracking, on in candle), so they are kept until the kernels that read the
+/// tensors are on the stream: a write from another stream then waits for those kernels.
+pub(crate) type Guards<'a> = Vec<SyncOnDrop<'a>>;
+
+/// Records that the kernels on `stream` so far write `s` (its write event, which a read from
+/// another stream waits for): called once they are launched.
+pub(crate) fn written(s: &mut CudaStorage, stream: &CudaStream) -> Result<()> {
+    match &mut s.slice {
+        CudaStorageSlice::F32(v) => drop(v.device_ptr_mut(stream)),
+        CudaStorageSlice::F16(v) => drop(v.device_ptr_mut(stream)),
+        CudaStorageSlice::BF16(v) => drop(v.device_ptr_mut(stream)),
+        _ => bail!(
+            "written: an output must be f32, f16 or bf16, got {:?}",
+            s.dtype()
+        ),
+    }
+    Ok(())
+}
+
 /// A tensor held by an op (not one of its candle arguments), locked for the launch.
 pub(crate) struct Held<'a> {
     pub guard: candle_core::StorageRef<'a>,
@@ -335,16 +355,30 @@ impl<'a> Held<'a> {
         }
     }
 
-    /// Its device address (it must be contiguous).
-    pub fn ptr<'s>(&'s self, op: &str, name: &str, stream: &'s CudaStream) -> Result<u64> {
-        Ok(ptr(op, name, self.cuda(op, name)?, self.layout, stream)?.0)
+    /// Its device address (it must be contiguous), its stream guard kept in `guards`.
+    pub fn ptr<'s>(
+        &'s self,
+        op: &str,
+        name: &str,
+        stream: &'s CudaStream,
+        guards: &mut Guards<'s>,
+    ) -> Result<u64> {
+        let (p, g) = ptr(op, name, self.cuda(op, name)?, self.layout, stream)?;
+        guards.push(g);
+        Ok(p)
     }
 }
 
 /// The device address of an optional held tensor, or 0 (the kernels' "absent").
-pub(crate) fn opt_ptr(op: &str, name: &str, h: &Option<Held>, stream: &CudaStream) -> Result<u64> {
+pub(crate) fn opt_ptr<'s>(
+    op: &str,
+    name: &str,
+    h: &'s Option<Held>,
+    stream: &'s CudaStream,
+    guards: &mut Guards<'s>,
+) -> Result<u64> {
     match h {
-        Some(h) => h.ptr(op, name, stream),
+        Some(h) => h.ptr(op, name, stream, guards),
         None => Ok(0),
     }
 }

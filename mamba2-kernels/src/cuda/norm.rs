@@ -4,7 +4,10 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage};
 
-use super::{alloc, cfg, dtype_name, function, i, launch, opt_ptr, ptr, rows_ptr, Held, RMS_NORM};
+use super::{
+    alloc, cfg, dtype_name, function, i, launch, opt_ptr, ptr, rows_ptr, written, Guards, Held,
+    RMS_NORM,
+};
 use crate::add_rms_norm::AddRmsNorm;
 use crate::gated_rms_norm::GatedRmsNorm;
 
@@ -46,7 +49,7 @@ pub(crate) fn gated_rms_norm(
     let rows = x_l.shape().elem_count() / dim;
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
-    let y = alloc(dev, x_s.dtype(), rows * dim)?;
+    let mut y = alloc(dev, x_s.dtype(), rows * dim)?;
     let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
     let (z_p, z_stride, _g2) = rows_ptr(op, "z", z_s, z_l, &stream)?;
     let (w_p, _g3) = ptr(op, "weight", w_s, w_l, &stream)?;
@@ -74,6 +77,7 @@ pub(crate) fn gated_rms_norm(
         cfg(grid, (threads, 1, 1), 0),
         &[&x_p, &z_p, &w_p, &y_p, &dd, &group, &z_stride, &norm.eps],
     )?;
+    written(&mut y, &stream)?;
     Ok((y, x_l.shape().clone()))
 }
 
@@ -89,12 +93,13 @@ pub(crate) fn add_rms_norm(
     let rows = x_l.shape().elem_count() / dim;
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
-    let y = alloc(dev, x_s.dtype(), rows * dim)?;
-    let res_out = alloc(dev, norm.residual_dtype, rows * dim)?;
+    let mut y = alloc(dev, x_s.dtype(), rows * dim)?;
+    let mut res_out = alloc(dev, norm.residual_dtype, rows * dim)?;
     let residual = norm.residual.as_ref().map(Held::new);
+    let mut guards = Guards::new();
     let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
-    let res_p = opt_ptr(op, "residual", &residual, &stream)?;
+    let res_p = opt_ptr(op, "residual", &residual, &stream, &mut guards)?;
     let y_p = ptr(op, "y", &y, &Layout::contiguous(rows * dim), &stream)?.0;
     let ro_p = ptr(
         op,
@@ -126,6 +131,8 @@ pub(crate) fn add_rms_norm(
         cfg((rows as u32, 1, 1), (threads, 1, 1), 0),
         &[&x_p, &res_p, &w_p, &y_p, &ro_p, &dd, &norm.eps],
     )?;
+    written(&mut y, &stream)?;
+    written(&mut res_out, &stream)?;
     norm.residual_out.put(op, Storage::Cuda(res_out))?;
     Ok((y, x_l.shape().clone()))
 }

@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use candle_core::cuda_backend::cudarc::driver::{result, CudaStream};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::Result;
 
@@ -28,16 +28,65 @@ pub(crate) const KEPT_BYTES: usize = 64 << 20;
 /// A buffer's (context, stream).
 type Owner = (usize, usize);
 
+/// Device memory of one stream's, used by that stream alone: a raw allocation, without the
+/// read and write events cudarc keeps for a `CudaSlice` (none is needed in one stream's order,
+/// and each would cost driver calls before the first kernel).
+struct Buffer {
+    ptr: u64,
+    bytes: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl Buffer {
+    fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
+        let ctx = stream.context();
+        ctx.bind_to_thread().w()?;
+        // SAFETY: a plain allocation of `bytes` on the stream's (bound) context.
+        let ptr = unsafe {
+            if ctx.has_async_alloc() {
+                result::malloc_async(stream.cu_stream(), bytes)
+            } else {
+                result::malloc_sync(bytes)
+            }
+        }
+        .w()?;
+        Ok(Self {
+            ptr,
+            bytes,
+            stream: stream.clone(),
+        })
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let ctx = self.stream.context();
+        // Freed in stream order after the kernels that use it (synchronously where the device
+        // has no stream-ordered allocator); errors cannot be reported from a drop.
+        let _ = ctx.bind_to_thread();
+        // SAFETY: `ptr` was allocated by `Buffer::new` on this context and is freed once.
+        let _ = unsafe {
+            if ctx.has_async_alloc() {
+                result::free_async(self.ptr, self.stream.cu_stream())
+            } else {
+                self.stream
+                    .synchronize()
+                    .and_then(|_| result::free_sync(self.ptr))
+            }
+        };
+    }
+}
+
 thread_local! {
     /// The thread's idle buffers.
-    static KEPT: RefCell<Vec<(Owner, CudaSlice<u8>)>> = const { RefCell::new(Vec::new()) };
+    static KEPT: RefCell<Vec<(Owner, Buffer)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A scratch buffer of at least the bytes asked for, given back to the thread's cache on drop
 /// when it is one to keep.
 pub(crate) struct Scratch {
     key: Owner,
-    buf: Option<CudaSlice<u8>>,
+    buf: Option<Buffer>,
     keep: bool,
 }
 
@@ -61,11 +110,8 @@ pub(crate) fn take(stream: &Arc<CudaStream>, bytes: usize) -> Result<Scratch> {
     };
     // A kept buffer too small for this call is freed (in stream order) and replaced.
     let buf = match held {
-        Some(buf) if buf.len() >= bytes => buf,
-        _ => {
-            // SAFETY: the kernels write every byte they later read.
-            unsafe { stream.alloc::<u8>(bytes.max(1)) }.w()?
-        }
+        Some(buf) if buf.bytes >= bytes => buf,
+        _ => Buffer::new(stream, bytes.max(1))?,
     };
     let scratch = Scratch {
         key,
@@ -73,15 +119,15 @@ pub(crate) fn take(stream: &Arc<CudaStream>, bytes: usize) -> Result<Scratch> {
         keep,
     };
     if poisoning() {
-        poison(stream, scratch.ptr(stream), bytes)?;
+        poison(stream, scratch.ptr(), bytes)?;
     }
     Ok(scratch)
 }
 
 impl Scratch {
     /// The buffer's device address.
-    pub fn ptr(&self, stream: &CudaStream) -> u64 {
-        self.buf.as_ref().map_or(0, |b| b.device_ptr(stream).0)
+    pub fn ptr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.ptr)
     }
 }
 

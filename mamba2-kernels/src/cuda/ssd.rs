@@ -18,7 +18,7 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Storage, Tens
 
 use super::{
     alloc, cfg, dtype_name, function, has_tma, i, launch, max_smem, opt_ptr, ptr, rows_ptr,
-    scratch, sm_count, tensor_map_3d, Arg, Held, TensorMap,
+    scratch, sm_count, tensor_map_3d, written, Arg, Guards, Held, TensorMap,
 };
 use super::{CHUNK_CUMSUM, COMPUTE_OUT, FWD_PASS_STATE, SSD_STEP};
 use crate::check::SsdDims;
@@ -92,20 +92,22 @@ pub(crate) fn chunk_cumsum(
     let dev = &dt_s.device;
     let stream = dev.cuda_stream();
     let len = 2 * batch * nheads * seqlen;
-    let out = alloc(dev, DType::F32, len)?;
+    let mut out = alloc(dev, DType::F32, len)?;
+    let bias = op.dt_bias.as_ref().map(Held::new);
+    let mut guards = Guards::new();
     let (a, _g1) = ptr(name, "a", a_s, a_l, &stream)?;
     let (dt, dt_stride, _g2) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
-    let bias = op.dt_bias.as_ref().map(Held::new);
     let raw = RawSteps {
         stage: op,
         dt,
         dt_stride,
         dtype: dt_s.dtype(),
         a,
-        bias: opt_ptr(name, "dt_bias", &bias, &stream)?,
+        bias: opt_ptr(name, "dt_bias", &bias, &stream, &mut guards)?,
     };
     let out_p = ptr(name, "out", &out, &Layout::contiguous(len), &stream)?.0;
     launch_cumsum(&raw, (batch, seqlen, nheads), out_p, &stream)?;
+    written(&mut out, &stream)?;
     Ok((out, Shape::from((2, batch, nheads, seqlen))))
 }
 
@@ -202,21 +204,23 @@ pub(crate) fn fwd_pass_state(
     let (Steps::Given(da), None) = (&op.steps, &op.final_state) else {
         bail!("{name}: raw step sizes and a separate final state are for ssd's own launches")
     };
-    let out = alloc(dev, op.state_dtype, total)?;
+    let mut out = alloc(dev, op.state_dtype, total)?;
     let (init, da) = (op.init_state.as_ref().map(Held::new), Held::new(da));
+    let mut guards = Guards::new();
     let (x, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
     let (b, _g2) = ptr(name, "b", b_s, b_l, &stream)?;
     let (dt, _g3) = ptr(name, "dt_out", dt_s, dt_l, &stream)?;
     let p = PassPtrs {
         x,
         b,
-        init: opt_ptr(name, "init_state", &init, &stream)?,
+        init: opt_ptr(name, "init_state", &init, &stream, &mut guards)?,
         states: ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0,
         dt,
-        da: da.ptr(name, "da_cumsum", &stream)?,
+        da: da.ptr(name, "da_cumsum", &stream, &mut guards)?,
     };
     let types = (x_s.dtype(), op.state_dtype);
     state_pass(&d, chunk, types, &p, None, &stream, || Ok(0))?;
+    written(&mut out, &stream)?;
     let shape = Shape::from((d.batch, d.nheads, nchunks + 1, d.headdim, d.dstate));
     Ok((out, shape))
 }
@@ -458,7 +462,7 @@ pub(crate) fn compute_out(
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
     let total = d.batch * d.seqlen * d.nheads * d.headdim;
-    let out = alloc(dev, x_s.dtype(), total)?;
+    let mut out = alloc(dev, x_s.dtype(), total)?;
     let (b, dt, da) = (
         Held::new(&op.b),
         Held::new(&op.dt_out),
@@ -466,23 +470,25 @@ pub(crate) fn compute_out(
     );
     let dskip = op.d.as_ref().map(Held::new);
     let z = op.z.as_ref().map(Held::new);
+    let mut guards = Guards::new();
     let (x, _g1) = ptr(name, "x", x_s, x_l, &stream)?;
     let (c, _g2) = ptr(name, "c", c_s, c_l, &stream)?;
     let (states, _g3) = ptr(name, "states", st_s, st_l, &stream)?;
     let p = OutPtrs {
         x,
-        b: b.ptr(name, "b", &stream)?,
+        b: b.ptr(name, "b", &stream, &mut guards)?,
         c,
-        dt: dt.ptr(name, "dt_out", &stream)?,
-        da: da.ptr(name, "da_cumsum", &stream)?,
+        dt: dt.ptr(name, "dt_out", &stream, &mut guards)?,
+        da: da.ptr(name, "da_cumsum", &stream, &mut guards)?,
         states,
-        d: opt_ptr(name, "D", &dskip, &stream)?,
-        z: opt_ptr(name, "z", &z, &stream)?,
+        d: opt_ptr(name, "D", &dskip, &stream, &mut guards)?,
+        z: opt_ptr(name, "z", &z, &stream, &mut guards)?,
         y: ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0,
     };
     let d_per_channel = op.d.as_ref().is_some_and(|t| t.rank() == 2);
     let types = (x_s.dtype(), st_s.dtype());
     out_pass(&d, op.chunk_size, types, &p, d_per_channel, false, &stream)?;
+    written(&mut out, &stream)?;
     Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
 }
 
@@ -617,22 +623,25 @@ pub(crate) fn ssd(call: &Call) -> Result<(Tensor, Tensor)> {
     // [chunk states | dt_out | da_cumsum], each part 256-byte aligned.
     let states_bytes = (states_len * st.size_in_bytes()).next_multiple_of(256);
     let scratch = scratch::take(&stream, states_bytes + 8 * bhl)?;
-    let states = scratch.ptr(&stream);
+    let states = scratch.ptr();
     let steps = states + states_bytes as u64;
     let dt_s = dt.cuda(name, "dt")?;
-    let (dt_raw, dt_stride, _g) = rows_ptr(name, "dt", dt_s, dt.layout, &stream)?;
+    // The inputs' read events are recorded once every kernel is launched (the guards' drop).
+    let mut guards = Guards::new();
+    let (dt_raw, dt_stride, g) = rows_ptr(name, "dt", dt_s, dt.layout, &stream)?;
+    guards.push(g);
     let raw = RawSteps {
         stage: call.stage,
         dt: dt_raw,
         dt_stride,
         dtype: dt_s.dtype(),
-        a: a.ptr(name, "a", &stream)?,
-        bias: opt_ptr(name, "dt_bias", &bias, &stream)?,
+        a: a.ptr(name, "a", &stream, &mut guards)?,
+        bias: opt_ptr(name, "dt_bias", &bias, &stream, &mut guards)?,
     };
     let p = PassPtrs {
-        x: x.ptr(name, "x", &stream)?,
-        b: b.ptr(name, "b", &stream)?,
-        init: opt_ptr(name, "initial_state", &init, &stream)?,
+        x: x.ptr(name, "x", &stream, &mut guards)?,
+        b: b.ptr(name, "b", &stream, &mut guards)?,
+        init: opt_ptr(name, "initial_state", &init, &stream, &mut guards)?,
         states,
         dt: steps,
         da: steps + 4 * bhl as u64,
@@ -647,22 +656,25 @@ pub(crate) fn ssd(call: &Call) -> Result<(Tensor, Tensor)> {
         outs = Some((last, y));
         Ok(last_p)
     })?;
-    let Some((last, y)) = outs else {
+    let Some((mut last, mut y)) = outs else {
         bail!("{name}: the state pass allocated no outputs")
     };
     let o = OutPtrs {
         x: p.x,
         b: p.b,
-        c: c.ptr(name, "c", &stream)?,
+        c: c.ptr(name, "c", &stream, &mut guards)?,
         dt: p.dt,
         da: p.da,
         states,
-        d: opt_ptr(name, "D", &dskip, &stream)?,
-        z: opt_ptr(name, "z", &z, &stream)?,
+        d: opt_ptr(name, "D", &dskip, &stream, &mut guards)?,
+        z: opt_ptr(name, "z", &z, &stream, &mut guards)?,
         y: ptr(name, "y", &y, &Layout::contiguous(total), &stream)?.0,
     };
     let d_per_channel = call.d.is_some_and(|t| t.rank() == 2);
     out_pass(&d, chunk, (vt, st), &o, d_per_channel, true, &stream)?;
+    drop(guards);
+    written(&mut y, &stream)?;
+    written(&mut last, &stream)?;
     let y_shape = (d.batch, d.seqlen, d.nheads, d.headdim);
     let last_shape = (d.batch, d.nheads, d.headdim, d.dstate);
     Ok((
@@ -755,28 +767,30 @@ pub(crate) fn ssd_step(
     let dev = x_s.device.clone();
     let stream = dev.cuda_stream();
     let total = d.batch * d.nheads * d.headdim;
-    let out = alloc(&dev, x_s.dtype(), total)?;
+    let mut out = alloc(&dev, x_s.dtype(), total)?;
     let (a, b, c) = (Held::new(&op.a), Held::new(&op.b), Held::new(&op.c));
     let bias = op.dt_bias.as_ref().map(Held::new);
     let dskip = op.d.as_ref().map(Held::new);
     let z = op.z.as_ref().map(Held::new);
+    let mut guards = Guards::new();
     let (x_p, x_stride, _g1) = rows_ptr(name, "x", x_s, x_l, &stream)?;
     let (dt_p, dt_stride, _g2) = rows_ptr(name, "dt", dt_s, dt_l, &stream)?;
-    let a_p = a.ptr(name, "a", &stream)?;
+    let a_p = a.ptr(name, "a", &stream, &mut guards)?;
     let (b_p, b_stride, _g4) = rows_ptr(name, "b", b.cuda(name, "b")?, b.layout, &stream)?;
     let (c_p, c_stride, _g5) = rows_ptr(name, "c", c.cuda(name, "c")?, c.layout, &stream)?;
-    let bias_p = opt_ptr(name, "dt_bias", &bias, &stream)?;
-    let d_p = opt_ptr(name, "D", &dskip, &stream)?;
+    let bias_p = opt_ptr(name, "dt_bias", &bias, &stream, &mut guards)?;
+    let d_p = opt_ptr(name, "D", &dskip, &stream, &mut guards)?;
     let (z_p, z_stride) = match &z {
         Some(h) => {
-            let (p, s, _) = rows_ptr(name, "z", h.cuda(name, "z")?, h.layout, &stream)?;
+            let (p, s, g) = rows_ptr(name, "z", h.cuda(name, "z")?, h.layout, &stream)?;
+            guards.push(g);
             (p, s)
         }
         None => (0, 0),
     };
     let y_p = ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0;
     let state_dtype = st_s.dtype();
-    let (st_p, _g7) = ptr(name, "state", st_s, st_l, &stream)?;
+    let (st_p, g7) = ptr(name, "state", st_s, st_l, &stream)?;
     // One warp per state row while (batch, head) pairs alone cannot fill the GPU; a whole head
     // per program once they can (fewer, longer programs stream better at large batch).
     let warps = d.headdim.clamp(1, 8);
@@ -836,5 +850,8 @@ pub(crate) fn ssd_step(
             &st_p, &x_p, &dt_p, &a_p, &bias_p, &b_p, &c_p, &d_p, &z_p, &y_p, &sd,
         ],
     )?;
+    drop(g7);
+    written(st_s, &stream)?;
+    written(&mut out, &stream)?;
     Ok(out)
 }
