@@ -78,7 +78,7 @@ pub(crate) fn causal_conv1d(
         &conv.split,
     )?;
     let state_len = d.batch * d.dim * d.width;
-    let st_out = alloc(dev, x_s.dtype(), state_len)?;
+    let mut st_out = alloc(dev, x_s.dtype(), state_len)?;
     let bias = conv.bias.as_ref().map(Held::new);
     let mut guards = Guards::new();
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
@@ -110,7 +110,6 @@ pub(crate) fn causal_conv1d(
             &x_p, &w_p, &bias_p, &st_p, &out, &so_p, &b, &l, &dd, &k, &x_stride, &silu,
         ],
     )?;
-    let mut st_out = st_out;
     written(&mut st_out, &stream)?;
     for y in ys.iter_mut() {
         written(y, &stream)?;
