@@ -6,7 +6,8 @@
 //! the seed shapes with CUDA events (median of `--gpu-reps` runs after warm-up, three input sets
 //! in rotation), replayed from a CUDA graph of 20 calls (GPU time per call without launch gaps)
 //! and one host call per run (synchronised, and the host's own time up to its return), plus the
-//! decode step.
+//! decode step. Built with `--features timeline`, `bench_ssd --cuda --timeline` also prints each
+//! shape's kernel timeline inside one call (`mamba2::kernels::ssd_timeline`).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -50,6 +51,10 @@ struct Args {
     /// Only the CUDA shapes whose name contains this (and no decode step).
     #[arg(long)]
     only: Option<String>,
+    /// With --cuda: the kernels' timeline inside single `ssd` calls at each shape (median over
+    /// calls of when the first and the last block passed each mark); needs `--features timeline`.
+    #[arg(long)]
+    timeline: bool,
 }
 
 /// Median wall time in milliseconds of `reps` runs after one warm-up run.
@@ -160,6 +165,9 @@ fn peer_model(
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.timeline && !args.cuda {
+        anyhow::bail!("--timeline times the CUDA kernels: use it with --cuda");
+    }
     if args.cuda {
         #[cfg(feature = "cuda")]
         return gpu::run(&args);
@@ -394,6 +402,58 @@ mod gpu {
         Ok((median(synced), median(issued)))
     }
 
+    /// Prints the median timeline of 200 single calls of `f` (each synchronised), and what a
+    /// bare stream operation costs from the host (a 256-byte memset and a synchronisation).
+    #[cfg(feature = "timeline")]
+    fn timeline(
+        dev: &Device,
+        shape: &str,
+        mut f: impl FnMut(usize) -> Result<()>,
+    ) -> Result<String> {
+        let s = stream(dev)?;
+        let mut marks: Vec<(&'static str, Vec<f64>, Vec<f64>)> = Vec::new();
+        let mut calls = Vec::new();
+        for i in 0..200 {
+            k::ssd_timeline_reset(dev)?;
+            s.synchronize()?;
+            let t = Instant::now();
+            f(i)?;
+            s.synchronize()?;
+            calls.push(t.elapsed().as_secs_f64() * 1e6);
+            for m in k::ssd_timeline(dev)? {
+                match marks.iter_mut().find(|(n, _, _)| *n == m.name) {
+                    Some((_, first, last)) => {
+                        first.push(m.first);
+                        last.push(m.last);
+                    }
+                    None => marks.push((m.name, vec![m.first], vec![m.last])),
+                }
+            }
+        }
+        let mut buf = s.alloc_zeros::<u8>(256)?;
+        let mut bare = Vec::new();
+        for _ in 0..200 {
+            let t = Instant::now();
+            s.memset_zeros(&mut buf)?;
+            s.synchronize()?;
+            bare.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        let mut out = format!(
+            "timeline of one call, {shape}: call {:.1} µs (a bare memset + sync: {:.1}); µs from the first chunk_state block\n| mark | first block | last block |\n|---|---|---|\n",
+            median(calls),
+            median(bare)
+        );
+        for (name, first, last) in marks {
+            out += &format!("| {name} | {:.2} | {:.2} |\n", median(first), median(last));
+        }
+        Ok(out)
+    }
+
+    #[cfg(not(feature = "timeline"))]
+    fn timeline(_: &Device, _: &str, _: impl FnMut(usize) -> Result<()>) -> Result<String> {
+        anyhow::bail!("--timeline needs the kernels built with their marks: --features timeline")
+    }
+
     pub fn run(args: &Args) -> Result<()> {
         let dev = Device::new_cuda(0)?;
         let ballast = Tensor::randn(0f32, 1., 256 << 20, &dev)?;
@@ -457,6 +517,7 @@ mod gpu {
                 .as_ref()
                 .is_none_or(|o| sh.name.contains(o.as_str()))
         };
+        let mut timelines = Vec::new();
         for sh in shapes.iter().filter(picked) {
             let (bsz, l, h, n) = (sh.batch, sh.seqlen, sh.nheads, sh.dstate);
             let sets: Vec<Set> = (0..3)
@@ -543,6 +604,9 @@ mod gpu {
             let t_ssd = gpu_us(&dev, reps, &ballast, run)?;
             let t_graph = graph_us(&dev, run)?;
             let (t_call, t_issue) = host_us(&dev, reps, run)?;
+            if args.timeline {
+                timelines.push(timeline(&dev, sh.name, run)?);
+            }
             // Bytes: stage 2 reads x, b and writes the chunk states; stage 3 reads x, b, c, the
             // states and writes y (bf16 = 2 bytes).
             let nchunks = l.div_ceil(chunk);
@@ -556,6 +620,9 @@ mod gpu {
                 sh.name,
                 t1 + t2 + t3
             );
+        }
+        for t in timelines {
+            println!("\n{t}");
         }
 
         if args.only.is_some() {

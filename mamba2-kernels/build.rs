@@ -4,7 +4,8 @@
 //! run-time compilation on Ampere and Hopper, which get code built for them. A newer GPU compiles
 //! the compute_90 PTX when loading it, so that it has what the launchers assume of every compute
 //! capability ≥ 9 (tensor-map copies, programmatic dependent launch); compute_80 PTX would lack
-//! both. nvcc is found through `NVCC`, `CUDA_HOME`/`CUDA_PATH` or `PATH`.
+//! both. nvcc is found through `NVCC`, `CUDA_HOME`/`CUDA_PATH` or `PATH`. The `timeline` feature
+//! compiles the kernels' timeline marks in (`M2_TIMELINE`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -43,12 +44,18 @@ fn main() {
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let nvcc = nvcc();
+    let marks: &[&str] = if std::env::var_os("CARGO_FEATURE_TIMELINE").is_some() {
+        &["-DM2_TIMELINE"]
+    } else {
+        &[]
+    };
     for name in KERNELS {
         let src = format!("kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let dst = out.join(format!("{name}.fatbin"));
         let status = Command::new(&nvcc)
             .args(["--fatbin", "-O3", "-std=c++17", "-Xptxas=-warn-spills"])
+            .args(marks)
             .args(["-gencode", "arch=compute_80,code=sm_80"])
             .args(["-gencode", "arch=compute_90a,code=sm_90a"])
             .args(["-gencode", "arch=compute_90,code=compute_90"])

@@ -46,6 +46,35 @@ __device__ __forceinline__ void wait_prior_grid() {
 #endif
 }
 
+// Timeline marks (the `timeline` feature; nothing without it): thread 0 of block k stores the
+// global timer (ns) when the block passes mark i at m2_timeline[k·TIMELINE_MARKS + i] (blocks
+// past TIMELINE_BLOCKS are not recorded); the host clears the array before a call and reads it
+// after. One plain store per block and mark: no atomics, so the marks barely perturb the timing.
+constexpr int TIMELINE_BLOCKS = 32768, TIMELINE_MARKS = 8;
+#ifdef M2_TIMELINE
+}  // namespace m2
+extern "C" {
+__device__ unsigned long long m2_timeline[m2::TIMELINE_BLOCKS * m2::TIMELINE_MARKS];
+}
+namespace m2 {
+__device__ __forceinline__ void mark(int i) {
+  const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x == 0 && block < TIMELINE_BLOCKS) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    m2_timeline[block * TIMELINE_MARKS + i] = t;
+  }
+}
+// A mark once every thread of the block is past this point.
+__device__ __forceinline__ void mark_all(int i) {
+  __syncthreads();
+  mark(i);
+}
+#else
+__device__ __forceinline__ void mark(int) {}
+__device__ __forceinline__ void mark_all(int) {}
+#endif
+
 // Lets the next kernel on the stream be scheduled before this one ends (sm_90+; a no-op before).
 // Called only after wait_prior_grid, so that once the next kernel runs, every kernel before this
 // one has finished: the next may read their outputs (not this one's) before its own wait.

@@ -28,6 +28,7 @@
 //   block uses exp2(d_t − d_s)·dt_s directly, selected by index compare. No masked exponential
 //   is used. Shared tiles are XOR-swizzled (m2::swz): conflict-free cp.async and ldmatrix.
 // compute_out_simt: any type and shape, for f32 and the sizes the MMA path does not cover.
+// Timeline marks (m2::mark) of compute_out_mma: 0 entry, 1 step 0 done, 2 waited, 3 exit.
 #include <type_traits>
 
 #include "common.cuh"
@@ -236,7 +237,9 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   constexpr bool WGMMA = false;
 #endif
   const bool wg = WGMMA && chunk >= 64;
+  m2::mark(1);
   m2::wait_prior_grid();  // the states are the prior kernel's (a no-op if waited on already)
+  m2::mark(2);
   load_unit(0);
   for (int u = 0; u < units; ++u) {
     if constexpr (!TMA) m2::cp_async_wait<0>();
@@ -439,17 +442,21 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
 #define CO_MMA(T, TN, S, SN, N, PT)                                                    \
   extern "C" __global__ void __launch_bounds__(512)                                    \
       compute_out_mma_##TN##_##SN##_n##N##_p##PT(CO_ARGS(T, S)) {                     \
+    m2::mark(0);                                                                      \
     if (!d.early) m2::wait_prior_grid();                                              \
     compute_out_mma<T, S, N, PT, false>(x, b, c, dt, da, states, dskip, z, y, d, nullptr, \
                                         nullptr);                                     \
+    m2::mark_all(3);                                                                  \
   }
 #define CO_MMA_TMA(T, TN, N, PT)                                                       \
   extern "C" __global__ void __launch_bounds__(512) compute_out_mma_tma_##TN##_n##N##_p##PT( \
       const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap th,   \
       const T* b, const T* c, const float* dt, const float* da, const float* dskip,      \
       const T* z, T* y, Dims d) {                                                      \
+    m2::mark(0);                                                                      \
     if (!d.early) m2::wait_prior_grid();                                              \
     compute_out_mma<T, T, N, PT, true>(nullptr, b, c, dt, da, nullptr, dskip, z, y, d, &tx, &th); \
+    m2::mark_all(3);                                                                  \
   }
 #define CO_MMA_SHAPES(T, TN, S, SN)                                                   \
   CO_MMA(T, TN, S, SN, 16, 32) CO_MMA(T, TN, S, SN, 16, 64)                           \

@@ -15,6 +15,8 @@
 // state_scan: the recurrence across chunks in place, streaming the slots with 16-byte accesses;
 //   from chunk `release_at` on it lets the next kernel (compute_out, see there) start.
 // fwd_pass_state_simt: any type and shape; one thread per state element, chunks in order.
+// Timeline marks (m2::mark): chunk_state_mma 0 entry, 1 stage 1 done (`_cs`), 2 the first half
+// of the tiles landed (`_tma`), 3 its MMAs done, 4 exit; state_scan 5 entry, 6 waited, 7 exit.
 #include <type_traits>
 
 #include "common.cuh"
@@ -244,6 +246,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   if constexpr (CS) {
     const bool store = n0 == 0 && p0 == 0;
     d_last = chunk_steps<THREADS, PER>(steps, b, h, l0, len, store, ah, bias, dv, tv, D);
+    m2::mark(1);
     const int q = (len + THREADS - 1) / THREADS;
 #pragma unroll
     for (int k = 0; k < PER; ++k)
@@ -259,6 +262,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   if constexpr (TMA) {
     __syncthreads();
     m2::mbar_wait(&bars[0], 0);
+    m2::mark(2);
   } else {
     m2::cp_async_wait<1>();
     __syncthreads();
@@ -329,6 +333,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
       }
     }
   }
+  m2::mark(3);
   // The warp's 16 × NT block through shared memory (the x and b tiles' space, free once every warp
   // is done with them and every copy has landed), then out as 16-byte vectors: whole 32-byte
   // sectors of every row.
@@ -432,31 +437,39 @@ FPS_SIMT(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
   extern "C" __global__ void __launch_bounds__(32 * W)                                         \
       chunk_state_mma_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, const float* dt,       \
                                                  const float* da, S* states, Dims d) {         \
+    m2::mark(0);                                                                               \
     m2::wait_prior_grid();                                                                     \
     chunk_state_mma<T, S, W, NT, false, false>(x, b, dt, da, states, d, Steps{}, nullptr,      \
                                                nullptr, 0);                                    \
+    m2::mark_all(4);                                                                           \
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(32 * W)                                         \
       chunk_state_mma_cs_##TN##_##SN##_w##W##_n##NT(const T* x, const T* b, S* states,          \
                                                     Dims d, Steps steps) {                     \
+    m2::mark(0);                                                                               \
     m2::wait_prior_grid();                                                                     \
     chunk_state_mma<T, S, W, NT, true, false>(x, b, nullptr, nullptr, states, d, steps,        \
                                               nullptr, nullptr, 0);                            \
+    m2::mark_all(4);                                                                           \
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(32 * W) chunk_state_mma_tma_##TN##_##SN##_w##W##_n##NT( \
       const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tb,      \
       int box_rows, const float* dt, const float* da, S* states, Dims d) {                     \
+    m2::mark(0);                                                                               \
     m2::wait_prior_grid();                                                                     \
     chunk_state_mma<T, S, W, NT, false, true>(nullptr, nullptr, dt, da, states, d, Steps{},    \
                                               &tx, &tb, box_rows);                             \
+    m2::mark_all(4);                                                                           \
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(32 * W)                                         \
       chunk_state_mma_tma_cs_##TN##_##SN##_w##W##_n##NT(                                       \
           const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tb,  \
           int box_rows, S* states, Dims d, Steps steps) {                                      \
+    m2::mark(0);                                                                               \
     m2::wait_prior_grid();                                                                     \
     chunk_state_mma<T, S, W, NT, true, true>(nullptr, nullptr, nullptr, nullptr, states, d,    \
                                              steps, &tx, &tb, box_rows);                       \
+    m2::mark_all(4);                                                                           \
   }
 #define CHUNK_STATE_NT(T, TN, S, SN, W)                                  \
   CHUNK_STATE(T, TN, S, SN, W, 16) CHUNK_STATE(T, TN, S, SN, W, 32)      \
@@ -471,8 +484,11 @@ CHUNK_STATE_ALL(__half, f16, __nv_bfloat16, bf16)
 // 256, for grids with few threads (the launcher's choice).
 #define SCAN(NAME, S, PF)                                                                    \
   extern "C" __global__ void NAME(const float* da, const S* init, S* states, S* last, Dims d) { \
+    m2::mark(5);                                                                             \
     m2::wait_prior_grid();                                                                   \
+    m2::mark(6);                                                                             \
     state_scan<S, PF>(da, init, states, last, d);                                            \
+    m2::mark_all(7);                                                                         \
   }
 SCAN(state_scan_f32, float, 4)
 SCAN(state_scan_bf16, __nv_bfloat16, 8)

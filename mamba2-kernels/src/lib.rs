@@ -21,6 +21,9 @@
 //! (depthwise causal conv with its rolling state, fused SiLU), [`gated_rms_norm`] (the per-group
 //! `norm(y·silu(z))`), [`add_rms_norm`] (residual add + RMSNorm) and [`matvec`] (a linear layer on
 //! a few rows: the projections of a decode step, at close to copy bandwidth on CUDA).
+//!
+//! With the `timeline` feature the CUDA kernels record when their blocks pass a few marks, and
+//! [`ssd_timeline`] gives one call's timeline (`bench_ssd --cuda --timeline`).
 
 mod add_rms_norm;
 mod causal_conv1d;
@@ -45,6 +48,8 @@ pub use causal_conv1d::{
 };
 pub use chunk_cumsum::chunk_cumsum;
 pub use compute_out::compute_out;
+#[cfg(feature = "timeline")]
+pub use cuda::{ssd_timeline, ssd_timeline_reset, TimelineMark};
 pub use dt::DtOptions;
 pub use fwd_pass_state::fwd_pass_state;
 pub use gated_rms_norm::gated_rms_norm;

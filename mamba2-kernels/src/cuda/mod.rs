@@ -32,11 +32,15 @@ mod matvec;
 mod norm;
 mod scratch;
 mod ssd;
+#[cfg(feature = "timeline")]
+mod timeline;
 
 pub(crate) use conv::{causal_conv1d, causal_conv1d_step};
 pub(crate) use matvec::matvec;
 pub(crate) use norm::{add_rms_norm, gated_rms_norm};
 pub(crate) use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_step};
+#[cfg(feature = "timeline")]
+pub use timeline::{ssd_timeline, ssd_timeline_reset, TimelineMark};
 
 macro_rules! fatbin {
     ($name:literal) => {
