@@ -172,20 +172,30 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
       m2::ldsm_x4(cf[ks], cs + m2::swz<NB>(r0 + (lane % 8) + ((lane / 8) % 2) * 8, ks * 2 + lane / 16));
-    if (rows_live) {
-      for (int kb = 0; kb <= rb; ++kb) {
-        float s[2][4] = {};
+    // Column blocks two at a time (two independent MMA chains), then the odd one out.
+    auto cb_blocks = [&](int kb, auto nb) {
+      constexpr int NBK = decltype(nb)::value;
+      float s[NBK][2][4] = {};
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
+      for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int q = 0; q < NBK; ++q) {
           uint32_t bf[4];
-          m2::ldsm_x4(bf, bs + m2::swz<NB>(kb * 16 + (lane / 16) * 8 + (lane % 8), ks * 2 + (lane / 8) % 2));
-          m2::Mma<T>::run(s[0], cf[ks], bf[0], bf[1]);
-          m2::Mma<T>::run(s[1], cf[ks], bf[2], bf[3]);
+          m2::ldsm_x4(bf, bs + m2::swz<NB>((kb + q) * 16 + (lane / 16) * 8 + (lane % 8), ks * 2 + (lane / 8) % 2));
+          m2::Mma<T>::run(s[q][0], cf[ks], bf[0], bf[1]);
+          m2::Mma<T>::run(s[q][1], cf[ks], bf[2], bf[3]);
         }
-        cbw[kb * 32] =
-            make_uint4(m2::Mma<T>::pack(s[0][0], s[0][1]), m2::Mma<T>::pack(s[0][2], s[0][3]),
-                       m2::Mma<T>::pack(s[1][0], s[1][1]), m2::Mma<T>::pack(s[1][2], s[1][3]));
       }
+#pragma unroll
+      for (int q = 0; q < NBK; ++q)
+        cbw[(kb + q) * 32] = make_uint4(
+            m2::Mma<T>::pack(s[q][0][0], s[q][0][1]), m2::Mma<T>::pack(s[q][0][2], s[q][0][3]),
+            m2::Mma<T>::pack(s[q][1][0], s[q][1][1]), m2::Mma<T>::pack(s[q][1][2], s[q][1][3]));
+    };
+    if (rows_live) {
+      int kb = 0;
+      for (; kb + 1 <= rb; kb += 2) cb_blocks(kb, std::integral_constant<int, 2>{});
+      if (kb <= rb) cb_blocks(kb, std::integral_constant<int, 1>{});
     }
   }
   __syncthreads();  // c and b are dead: the region holds the unit buffers from here
