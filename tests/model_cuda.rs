@@ -13,7 +13,7 @@ use mamba2::kernels as k;
 use mamba2::model::{DecodeGraph, Model};
 
 fn gpu() -> Device {
-    std::env::set_var("MAMBA2_POISON", "1");
+    k::set_poison(true);
     Device::new_cuda(0).expect("a CUDA device")
 }
 

@@ -1,6 +1,6 @@
 //! The CUDA SSD kernels against the f64 recurrence and the CPU ops (run on a GPU machine:
 //! `cargo test --release --features cuda --test ssd_cuda`). Outputs are poisoned with NaN before
-//! every kernel (`MAMBA2_POISON=1`), so an element a kernel fails to write fails the test.
+//! every kernel (`set_poison`), so an element a kernel fails to write fails the test.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -10,7 +10,7 @@ use common::{rel_err, Problem, Rng, Spec};
 use mamba2::kernels::{self as k, reference};
 
 fn gpu() -> Device {
-    std::env::set_var("MAMBA2_POISON", "1");
+    k::set_poison(true);
     Device::new_cuda(0).expect("a CUDA device")
 }
 

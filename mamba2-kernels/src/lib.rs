@@ -48,6 +48,8 @@ pub use causal_conv1d::{
 };
 pub use chunk_cumsum::chunk_cumsum;
 pub use compute_out::compute_out;
+#[cfg(feature = "cuda")]
+pub use cuda::set_poison;
 #[cfg(feature = "timeline")]
 pub use cuda::{ssd_timeline, ssd_timeline_reset, TimelineMark};
 pub use dt::DtOptions;

@@ -1,7 +1,7 @@
 //! CUDA launchers of the custom ops. The kernels (`kernels/*.cu`) are compiled by build.rs into
 //! fatbins, loaded once per CUDA context, and launched on candle's stream with raw device
 //! pointers; outputs are fresh allocations, and `ssd`'s intermediates live in scratch memory kept
-//! per stream (`scratch`); both are filled with NaN first when `MAMBA2_POISON=1`, so tests can see
+//! per stream (`scratch`); both are filled with NaN first under [`set_poison`], so tests can see
 //! any element a kernel fails to write.
 //!
 //! On first use of a context, the device's default memory pool (the one candle's stream-ordered
@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::null_mut;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
@@ -387,7 +388,7 @@ pub(crate) fn opt_ptr<'s>(
     }
 }
 
-/// A fresh output of `len` elements of `dtype`, poisoned with NaN when `MAMBA2_POISON=1`.
+/// A fresh output of `len` elements of `dtype`, poisoned with NaN under [`set_poison`].
 pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
     let s = match dtype {
         DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(len)? }, dev.clone()),
@@ -407,10 +408,33 @@ pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaSt
     Ok(s)
 }
 
-/// Whether fresh buffers are filled with NaN first (`MAMBA2_POISON=1`, read once).
+/// Whether fresh buffers are poisoned: 0 not decided yet, 1 no, 2 yes.
+static POISON: AtomicU8 = AtomicU8::new(0);
+
+/// Fills every fresh CUDA output and scratch buffer with NaN before the kernels that write it
+/// (`on`), so that a test sees any element a kernel fails to write; off by default, or as
+/// `MAMBA2_POISON=1` sets it when this is never called. For tests: setting the variable from a
+/// running (multi-threaded) process instead races with the CUDA driver's own reads of the
+/// environment, which is undefined behaviour.
+pub fn set_poison(on: bool) {
+    POISON.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether fresh buffers are filled with NaN first ([`set_poison`], else `MAMBA2_POISON=1`, read
+/// once).
 pub(crate) fn poisoning() -> bool {
-    static POISON: OnceLock<bool> = OnceLock::new();
-    *POISON.get_or_init(|| std::env::var("MAMBA2_POISON").is_ok_and(|v| v == "1"))
+    match POISON.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("MAMBA2_POISON").is_ok_and(|v| v == "1");
+            let v = if on { 2 } else { 1 };
+            // A concurrent `set_poison` wins.
+            match POISON.compare_exchange(0, v, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => on,
+                Err(now) => now == 2,
+            }
+        }
+        v => v == 2,
+    }
 }
 
 /// Fills `bytes` bytes at `p` with NaN (0xFF bytes) on `stream`.
