@@ -56,7 +56,7 @@ const PER_BLOCK: usize = 8;
 /// Calls `f` with each module's timeline records on `dev`'s stream.
 fn slots(
     dev: &Device,
-    mut f: impl FnMut(&'static str, &mut CudaViewMut<u64>, &Arc<CudaStream>) -> Result<()>,
+    mut f: impl FnMut(&mut CudaViewMut<u64>, &Arc<CudaStream>) -> Result<()>,
 ) -> Result<()> {
     let dev = dev.as_cuda_device()?;
     let stream = dev.cuda_stream();
@@ -71,22 +71,22 @@ fn slots(
         let Some(mut view) = (unsafe { global.transmute_mut::<u64>(BLOCKS * PER_BLOCK) }) else {
             bail!("ssd_timeline: the {image} kernels were built without the timeline marks")
         };
-        f(image, &mut view, &stream)?;
+        f(&mut view, &stream)?;
     }
     Ok(())
 }
 
 /// Clears the records before a call.
 pub fn ssd_timeline_reset(dev: &Device) -> Result<()> {
-    slots(dev, |_, view, stream| stream.memset_zeros(view).w())
+    slots(dev, |view, stream| stream.memset_zeros(view).w())
 }
 
 /// The marks of the calls since the last reset (the caller synchronises first); marks no block
 /// passed are left out.
 pub fn ssd_timeline(dev: &Device) -> Result<Vec<TimelineMark>> {
     let mut raw = Vec::new();
-    slots(dev, |image, view, stream| {
-        raw.push((image, stream.clone_dtoh(&*view).w()?));
+    slots(dev, |view, stream| {
+        raw.push(stream.clone_dtoh(&*view).w()?);
         Ok(())
     })?;
     // The earliest and latest record of mark i of a module (0: not passed).
@@ -98,11 +98,11 @@ pub fn ssd_timeline(dev: &Device) -> Result<Vec<TimelineMark>> {
                 Some(acc.map_or((t, t), |(lo, hi)| (lo.min(t), hi.max(t))))
             })
     };
-    let Some((t0, _)) = raw.first().and_then(|(_, v)| span(v, 0)) else {
+    let Some((t0, _)) = raw.first().and_then(|v| span(v, 0)) else {
         bail!("ssd_timeline: no chunk_state block ran since the reset")
     };
     let mut marks = Vec::new();
-    for ((_, names), (_, v)) in MARKS.iter().zip(&raw) {
+    for ((_, names), v) in MARKS.iter().zip(&raw) {
         for (i, name) in names.iter().enumerate() {
             if let Some((first, last)) = span(v, i) {
                 marks.push(TimelineMark {
