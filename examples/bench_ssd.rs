@@ -277,7 +277,8 @@ mod gpu {
     use candle_core::cuda_backend::cudarc::driver::sys::{
         CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
     };
-    use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
+    use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, LaunchConfig};
+    use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
     use candle_core::{DType, Device, Tensor};
     use mamba2::kernels::{self as k, DtOptions, SsdOptions, StepOptions};
 
@@ -402,6 +403,40 @@ mod gpu {
         Ok((median(synced), median(issued)))
     }
 
+    /// An empty kernel, compiled from PTX by the driver.
+    const EMPTY_PTX: &str =
+        ".version 7.0\n.target sm_80\n.address_size 64\n.visible .entry empty() { ret; }\n";
+
+    /// What one kernel costs from the host on this machine, whatever it does (median µs of 500):
+    /// the launch call of an empty kernel, and that launch with a synchronisation. An `ssd` call
+    /// is at least its time before the first launch, the launch, and the GPU span plus what the
+    /// synchronisation adds to it; the call column varies with the host by as much as this does.
+    fn launch_floor(dev: &Device) -> Result<(f64, f64)> {
+        let s = stream(dev)?;
+        let f = s
+            .context()
+            .load_module(Ptx::from_src(EMPTY_PTX))?
+            .load_function("empty")?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (mut issued, mut synced) = (Vec::new(), Vec::new());
+        for i in 0..520 {
+            let t = Instant::now();
+            // SAFETY: `empty` takes no parameters and touches no memory.
+            unsafe { s.launch_builder(&f).launch(cfg) }?;
+            let issue = t.elapsed().as_secs_f64() * 1e6;
+            s.synchronize()?;
+            if i >= 20 {
+                issued.push(issue);
+                synced.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        Ok((median(issued), median(synced)))
+    }
+
     /// Prints the median timeline of 200 single calls of `f` (each synchronised), and what a
     /// bare stream operation costs from the host (a 256-byte memset and a synchronisation).
     #[cfg(feature = "timeline")]
@@ -518,6 +553,7 @@ mod gpu {
                 .is_none_or(|o| sh.name.contains(o.as_str()))
         };
         let mut timelines = Vec::new();
+        let floor = launch_floor(&dev)?;
         for sh in shapes.iter().filter(picked) {
             let (bsz, l, h, n) = (sh.batch, sh.seqlen, sh.nheads, sh.dstate);
             let sets: Vec<Set> = (0..3)
@@ -621,6 +657,10 @@ mod gpu {
                 t1 + t2 + t3
             );
         }
+        println!(
+            "\nHost floor on this machine: an empty kernel's launch call {:.1} µs, launch + synchronisation {:.1} µs.",
+            floor.0, floor.1
+        );
         for t in timelines {
             println!("\n{t}");
         }
