@@ -6,8 +6,10 @@
 //! the seed shapes with CUDA events (median of `--gpu-reps` runs after warm-up, three input sets
 //! in rotation), replayed from a CUDA graph of 20 calls (GPU time per call without launch gaps)
 //! and one host call per run (synchronised, and the host's own time up to its return), plus the
-//! decode step. Built with `--features timeline`, `bench_ssd --cuda --timeline` also prints each
-//! shape's kernel timeline inside one call (`mamba2::kernels::ssd_timeline`).
+//! decode step and the host floor of one kernel on the machine (an empty kernel's launch, and its
+//! launch and synchronisation): a call costs about its GPU time, that floor and the host's work
+//! before its first launch. Built with `--features timeline`, `bench_ssd --cuda --timeline` also
+//! prints each shape's kernel timeline inside one call (`mamba2::kernels::ssd_timeline`).
 
 use std::collections::HashMap;
 use std::time::Instant;
