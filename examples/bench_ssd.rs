@@ -410,9 +410,8 @@ mod gpu {
         ".version 7.0\n.target sm_80\n.address_size 64\n.visible .entry empty() { ret; }\n";
 
     /// What one kernel costs from the host on this machine, whatever it does (median µs of 500):
-    /// the launch call of an empty kernel, and that launch with a synchronisation. An `ssd` call
-    /// is at least its time before the first launch, the launch, and the GPU span plus what the
-    /// synchronisation adds to it; the call column varies with the host by as much as this does.
+    /// the launch call of an empty kernel, and that launch with a synchronisation. The call
+    /// column varies between hosts by as much as this does.
     fn launch_floor(dev: &Device) -> Result<(f64, f64)> {
         let s = stream(dev)?;
         let f = s
@@ -439,8 +438,8 @@ mod gpu {
         Ok((median(issued), median(synced)))
     }
 
-    /// Prints the median timeline of 200 single calls of `f` (each synchronised), and what a
-    /// bare stream operation costs from the host (a 256-byte memset and a synchronisation).
+    /// Prints the median timeline of 200 single calls of `f` (each synchronised; what one kernel
+    /// costs from the host is [`launch_floor`]'s line).
     #[cfg(feature = "timeline")]
     fn timeline(
         dev: &Device,
@@ -467,18 +466,9 @@ mod gpu {
                 }
             }
         }
-        let mut buf = s.alloc_zeros::<u8>(256)?;
-        let mut bare = Vec::new();
-        for _ in 0..200 {
-            let t = Instant::now();
-            s.memset_zeros(&mut buf)?;
-            s.synchronize()?;
-            bare.push(t.elapsed().as_secs_f64() * 1e6);
-        }
         let mut out = format!(
-            "timeline of one call, {shape}: call {:.1} µs (a bare memset + sync: {:.1}); µs from the first chunk_state block\n| mark | first block | last block |\n|---|---|---|\n",
-            median(calls),
-            median(bare)
+            "timeline of one call, {shape}: call {:.1} µs; µs from the first chunk_state block\n| mark | first block | last block |\n|---|---|---|\n",
+            median(calls)
         );
         for (name, first, last) in marks {
             out += &format!("| {name} | {:.2} | {:.2} |\n", median(first), median(last));
