@@ -214,6 +214,41 @@ pub(crate) fn tensor_map_3d(
     strides: [usize; 2],
     box_dims: [usize; 3],
 ) -> Result<TensorMap> {
+    type Key = (u64, DType, [usize; 3], [usize; 2], [usize; 3]);
+    const KEPT: usize = 16;
+    thread_local! {
+        /// The maps this thread encoded last, by everything the encoding reads (the same
+        /// inputs give the same map, so a hit is exact): each encoding is a driver call on the
+        /// host path before the first kernel of `ssd`, and buffers come back at the same
+        /// addresses (the stream-ordered pool; `bench_ssd`'s rotating inputs). H200 host,
+        /// `bench_ssd --cuda` at L=4096, four processes each way: one call 51.3–52.5 µs against
+        /// 51.5–53.7 encoding every map (session 18).
+        static MAPS: std::cell::RefCell<Vec<(Key, TensorMap)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let key = (base, dtype, dims, strides, box_dims);
+    if let Some(map) = MAPS.with(|m| m.borrow().iter().find(|(k, _)| *k == key).map(|e| e.1)) {
+        return Ok(map);
+    }
+    let map = encode_map_3d(base, dtype, dims, strides, box_dims)?;
+    MAPS.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() == KEPT {
+            m.remove(0);
+        }
+        m.push((key, map));
+    });
+    Ok(map)
+}
+
+/// [`tensor_map_3d`] encoded by the driver.
+fn encode_map_3d(
+    base: u64,
+    dtype: DType,
+    dims: [usize; 3],
+    strides: [usize; 2],
+    box_dims: [usize; 3],
+) -> Result<TensorMap> {
     use sys::{
         CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
         CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
