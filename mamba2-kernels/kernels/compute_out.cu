@@ -9,7 +9,9 @@
 //      MMA A-fragments in registers for the whole program, computes C·Bᵀ for its 16×16 blocks
 //      (rb, kb ≤ rb) once, rounded to T in the A-fragment layout (a uint4 per lane and block,
 //      read back only by the lane that wrote it), and the per-token decay factors of every head
-//      are computed once (ws, es below).
+//      are computed once (ws, es below). In the `_tma` forms compiled for sm_90a C·Bᵀ is formed
+//      by wgmma per warpgroup (its 64 rows against 64-token tiles of b, stored in column blocks
+//      as the state tile) instead of per warp.
 //   1. The (head, P-tile) units stream through two buffers (x tile, state tile) by cp.async, or
 //      (`_tma` forms, sm_90+) by tensor-map copies from one thread completing on an mbarrier per
 //      buffer: unit u+1 loads while unit u computes, one barrier per unit. Per unit and warp:
@@ -130,13 +132,29 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   const int r0 = rb * 16, t_lo = r0 + gr, t_hi = t_lo + 8;
   const bool rows_live = r0 < len;
 
-  // 0. c, b, and d, dt of every head.
+  // wgmma for C·Bᵀ and C·hᵀ (the `_tma` form compiled for sm_90a; T is bf16 there) where the
+  // warps make whole warpgroups; every warp of a warpgroup takes part, live rows or not.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool WGMMA = TMA && std::is_same<T, __nv_bfloat16>::value;
+#else
+  constexpr bool WGMMA = false;
+#endif
+  const bool wg = WGMMA && chunk >= 64;
+
+  // 0. c, b, and d, dt of every head. For wgmma, b in column blocks of HC as the state tile.
   {
     T* cs = region;
     T* bs = region + chunk * N;
     const size_t at = tok0 * gn + static_cast<size_t>(g) * N;
     m2::load_tile<N>(cs, cm + at, static_cast<uint32_t>(gn), chunk, len, tid, threads);
-    m2::load_tile<N>(bs, bm + at, static_cast<uint32_t>(gn), chunk, len, tid, threads);
+    if (wg) {
+#pragma unroll
+      for (int k = 0; k < N / HC; ++k)
+        m2::load_tile<HC>(bs + k * chunk * HC, bm + at + k * HC, static_cast<uint32_t>(gn), chunk,
+                          len, tid, threads);
+    } else {
+      m2::load_tile<N>(bs, bm + at, static_cast<uint32_t>(gn), chunk, len, tid, threads);
+    }
     for (int i = tid; i < HB * chunk; i += threads) {
       const int hh = i / chunk, t = i % chunk;
       const bool ok = t < len;
@@ -151,6 +169,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
     }
     m2::cp_async_commit();
     m2::cp_async_wait<0>();
+    if (wg) m2::fence_proxy_async();  // wgmma reads the b tile through the async proxy
     __syncthreads();
   }
   // Per head and token: ws_s = exp2(d_e − d_s)·dt_s (e = the last token of s's 16-block) and
@@ -192,7 +211,30 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
             m2::Mma<T>::pack(s[q][0][0], s[q][0][1]), m2::Mma<T>::pack(s[q][0][2], s[q][0][3]),
             m2::Mma<T>::pack(s[q][1][0], s[q][1][1]), m2::Mma<T>::pack(s[q][1][2], s[q][1][3]));
     };
-    if (rows_live) {
+    if (wg) {
+      // Per warpgroup: its 64 rows against 64-token column tiles of b, up to the diagonal of its
+      // last row block (4g + 3 for warpgroup g); each warp keeps the blocks kb ≤ rb of its rows.
+      const uint32_t b_a = m2::smem_addr(bs);
+      for (int t = 0; t <= warp / 4; ++t) {
+        float s[8][4] = {};
+        m2::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+          m2::Wgmma<8>::template run<0>(
+              s, cf[ks],
+              m2::wgmma_desc<HB2>(b_a + (ks * 16 / HC) * chunk * HB2 + t * 64 * HB2 + (ks * 16 % HC) * 2));
+        m2::wgmma_commit();
+        m2::wgmma_wait<0>();
+        m2::wgmma_hold(s);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (rows_live && 4 * t + q <= rb)
+            cbw[(4 * t + q) * 32] = make_uint4(
+                m2::Mma<T>::pack(s[2 * q][0], s[2 * q][1]), m2::Mma<T>::pack(s[2 * q][2], s[2 * q][3]),
+                m2::Mma<T>::pack(s[2 * q + 1][0], s[2 * q + 1][1]),
+                m2::Mma<T>::pack(s[2 * q + 1][2], s[2 * q + 1][3]));
+      }
+    } else if (rows_live) {
       int kb = 0;
       for (; kb + 1 <= rb; kb += 2) cb_blocks(kb, std::integral_constant<int, 2>{});
       if (kb <= rb) cb_blocks(kb, std::integral_constant<int, 1>{});
@@ -239,14 +281,6 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   const uint32_t h_lane = m2::swz<HB2>((lane / 16) * 8 + (lane % 8), (lane / 8) % 2) * 2;
   const uint32_t x_lane = m2::swz<XB>((lane % 8) + ((lane / 8) % 2) * 8, lane / 16) * 2;
   const uint32_t e_lane = m2::swz<XB>(t_lo, 0) * 2 + tc * 2;
-  // wgmma for C·hᵀ (the `_tma` form compiled for sm_90a; T is bf16 there) where the warps make
-  // whole warpgroups; every warp of a warpgroup takes part, live rows or not.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool WGMMA = TMA && std::is_same<T, __nv_bfloat16>::value;
-#else
-  constexpr bool WGMMA = false;
-#endif
-  const bool wg = WGMMA && chunk >= 64;
   m2::mark(1);
   m2::wait_prior_grid();  // the states are the prior kernel's (a no-op if waited on already)
   m2::mark(2);
