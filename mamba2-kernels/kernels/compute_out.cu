@@ -9,9 +9,9 @@
 //      MMA A-fragments in registers for the whole program, computes C·Bᵀ for its 16×16 blocks
 //      (rb, kb ≤ rb) once, rounded to T in the A-fragment layout (a uint4 per lane and block,
 //      read back only by the lane that wrote it), and the per-token decay factors of every head
-//      are computed once (ws, es below). In the `_tma` forms compiled for sm_90a C·Bᵀ is formed
-//      by wgmma per warpgroup (its 64 rows against 64-token tiles of b, stored in column blocks
-//      as the state tile) instead of per warp.
+//      are computed once (ws, es below). In the `_tma` forms compiled for sm_90a c and b come by
+//      tensor map in column blocks (as the state tile) and C·Bᵀ is formed by wgmma per warpgroup
+//      (its 64 rows against 64-token tiles of b) instead of per warp.
 //   1. The (head, P-tile) units stream through two buffers (x tile, state tile) by cp.async, or
 //      (`_tma` forms, sm_90+) by tensor-map copies from one thread completing on an mbarrier per
 //      buffer: unit u+1 loads while unit u computes, one barrier per unit. Per unit and warp:
@@ -100,13 +100,15 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
                                 const float* __restrict__ da, const S* __restrict__ states,
                                 const float* __restrict__ dskip, const T* __restrict__ z,
                                 T* __restrict__ y, Dims D, const m2::TensorMap* tx,
-                                const m2::TensorMap* th) {
+                                const m2::TensorMap* th, const m2::TensorMap* tcm,
+                                const m2::TensorMap* tbm) {
   constexpr int KS = N / 16, NJ = PT / 8, NB = N * 2, XB = PT * 2;  // NB, XB: c/b and x row bytes
   // The state tile: N / HC column blocks of HC columns, each [PT][HC] swizzled (HB2-byte rows);
   // one block (load_state_tile) or, for the tensor-map boxes, blocks of at most 64 columns.
   constexpr int HC = TMA && N > 64 ? 64 : N, HB2 = HC * 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ uint64_t landed[2];  // TMA: per unit buffer, its copies have landed
+  // TMA: per unit buffer, its copies have landed; [2]: step 0's c and b (wgmma forms)
+  __shared__ uint64_t landed[3];
   unsigned char* smem = m2::smem_aligned<TMA ? 1024 : 128>(smem_raw);
   const int chunk = D.chunk, P = D.headdim, HB = D.heads_per_block;
   const Layout<N, PT> lay(chunk, HB, P);
@@ -141,18 +143,24 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 #endif
   const bool wg = WGMMA && chunk >= 64;
 
-  // 0. c, b, and d, dt of every head. For wgmma, b in column blocks of HC as the state tile.
+  // 0. c, b, and d, dt of every head. For wgmma, c and b come by tensor map (one thread issues
+  // the copies) in column blocks of HC, as the state tile.
   {
     T* cs = region;
     T* bs = region + chunk * N;
-    const size_t at = tok0 * gn + static_cast<size_t>(g) * N;
-    m2::load_tile<N>(cs, cm + at, static_cast<uint32_t>(gn), chunk, len, tid, threads);
     if (wg) {
+      if (tid == 0) {
+        m2::mbar_init(&landed[2], 1);
+        m2::mbar_expect(&landed[2], 2 * chunk * N * 2);
 #pragma unroll
-      for (int k = 0; k < N / HC; ++k)
-        m2::load_tile<HC>(bs + k * chunk * HC, bm + at + k * HC, static_cast<uint32_t>(gn), chunk,
-                          len, tid, threads);
+        for (int k = 0; k < N / HC; ++k) {
+          m2::tma_load_3d(cs + k * chunk * HC, tcm, g * N + k * HC, l0, b, &landed[2]);
+          m2::tma_load_3d(bs + k * chunk * HC, tbm, g * N + k * HC, l0, b, &landed[2]);
+        }
+      }
     } else {
+      const size_t at = tok0 * gn + static_cast<size_t>(g) * N;
+      m2::load_tile<N>(cs, cm + at, static_cast<uint32_t>(gn), chunk, len, tid, threads);
       m2::load_tile<N>(bs, bm + at, static_cast<uint32_t>(gn), chunk, len, tid, threads);
     }
     for (int i = tid; i < HB * chunk; i += threads) {
@@ -169,8 +177,8 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
     }
     m2::cp_async_commit();
     m2::cp_async_wait<0>();
-    if (wg) m2::fence_proxy_async();  // wgmma reads the b tile through the async proxy
     __syncthreads();
+    if (wg) m2::mbar_wait(&landed[2], 0);
   }
   // Per head and token: ws_s = exp2(d_e − d_s)·dt_s (e = the last token of s's 16-block) and
   // es_t = exp2(d_t − d_{16·⌊t/16⌋}); zero past the sequence.
@@ -188,9 +196,15 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   {
     const T* cs = region;
     const T* bs = region + chunk * N;
+    const int c_row = r0 + (lane % 8) + ((lane / 8) % 2) * 8;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      m2::ldsm_x4(cf[ks], cs + m2::swz<NB>(r0 + (lane % 8) + ((lane / 8) % 2) * 8, ks * 2 + lane / 16));
+    for (int ks = 0; ks < KS; ++ks) {
+      if (wg)
+        m2::ldsm_x4(cf[ks], cs + (ks * 16 / HC) * chunk * HC +
+                                m2::swz<HB2>(c_row, ks * 2 % (HC / 8) + lane / 16));
+      else
+        m2::ldsm_x4(cf[ks], cs + m2::swz<NB>(c_row, ks * 2 + lane / 16));
+    }
     // Column blocks two at a time (two independent MMA chains), then the odd one out.
     auto cb_blocks = [&](int kb, auto nb) {
       constexpr int NBK = decltype(nb)::value;
@@ -489,17 +503,19 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
     m2::mark(0);                                                                      \
     if (!d.early) m2::wait_prior_grid();                                              \
     compute_out_mma<T, S, N, PT, false>(x, b, c, dt, da, states, dskip, z, y, d, nullptr, \
-                                        nullptr);                                     \
+                                        nullptr, nullptr, nullptr);                   \
     m2::mark_all(3);                                                                  \
   }
 #define CO_MMA_TMA(T, TN, N, PT)                                                       \
   extern "C" __global__ void __launch_bounds__(512) compute_out_mma_tma_##TN##_n##N##_p##PT( \
       const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap th,   \
+      const __grid_constant__ m2::TensorMap tc, const __grid_constant__ m2::TensorMap tb,   \
       const T* b, const T* c, const float* dt, const float* da, const float* dskip,      \
       const T* z, T* y, Dims d) {                                                      \
     m2::mark(0);                                                                      \
     if (!d.early) m2::wait_prior_grid();                                              \
-    compute_out_mma<T, T, N, PT, true>(nullptr, b, c, dt, da, nullptr, dskip, z, y, d, &tx, &th); \
+    compute_out_mma<T, T, N, PT, true>(nullptr, b, c, dt, da, nullptr, dskip, z, y, d, &tx, &th, \
+                                       &tc, &tb);                                     \
     m2::mark_all(3);                                                                  \
   }
 #define CO_MMA_SHAPES(T, TN, S, SN)                                                   \

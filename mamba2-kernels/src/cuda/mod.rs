@@ -215,7 +215,7 @@ pub(crate) fn tensor_map_3d(
     box_dims: [usize; 3],
 ) -> Result<TensorMap> {
     type Key = (u64, DType, [usize; 3], [usize; 2], [usize; 3]);
-    const KEPT: usize = 16;
+    const KEPT: usize = 32;
     thread_local! {
         /// The maps this thread encoded last, by everything the encoding reads (the same
         /// inputs give the same map, so a hit is exact): each encoding is a driver call on the

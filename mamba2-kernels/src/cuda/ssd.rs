@@ -556,7 +556,7 @@ fn out_pass(
         let n = d.dstate;
         let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
         // On sm_90+ with states of the value type, the unit tiles come by tensor map (the states
-        // as rows of N).
+        // as rows of N), and step 0's c and b tiles by tensor map too where it uses wgmma.
         let maps = if has_tma(stream)? && st == vt {
             let rows = d.batch * d.nheads * (nchunks + 1) * d.headdim;
             let tx = token_map(p.x, vt, d.nheads * d.headdim, d, ptile, chunk)?;
@@ -567,14 +567,19 @@ fn out_pass(
                 [n, rows * n],
                 [n.min(64), ptile, 1],
             )?;
-            Some((tx, th))
+            let gn = d.ngroups * n;
+            let tc = token_map(p.c, vt, gn, d, n.min(64), chunk)?;
+            let tb = token_map(p.b, vt, gn, d, n.min(64), chunk)?;
+            Some((tx, th, tc, tb))
         } else {
             None
         };
         let (kernel, args): (_, Vec<&dyn Arg>) = match &maps {
-            Some((tx, th)) => (
+            Some((tx, th, tc, tb)) => (
                 format!("compute_out_mma_tma_{t}_n{n}_p{ptile}"),
-                vec![tx, th, &p.b, &p.c, &p.dt, &p.da, &p.d, &p.z, &p.y, &kd],
+                vec![
+                    tx, th, tc, tb, &p.b, &p.c, &p.dt, &p.da, &p.d, &p.z, &p.y, &kd,
+                ],
             ),
             None => (
                 format!("compute_out_mma_{t}_{s}_n{n}_p{ptile}"),
