@@ -80,7 +80,8 @@ __device__ __forceinline__ float2 unpack(uint32_t v) {
 // Shared memory of compute_out_mma in bytes (the launcher's `mma_smem` computes the same):
 // cb [W(W+1)/2 blocks][32 lanes] uint4 | sc [HB][4][chunk] f32 (d, dt, ws, es) | dk [HB][P] f32
 // (D per channel, 0 without D) | from the next multiple of 1024 bytes, a region that holds
-// c [chunk][N] and b [chunk][N] first, then two unit buffers, each x [chunk][PT] and the state
+// c [chunk][N] and b [chunk][N] first (in the wgmma forms each as N / HC column blocks
+// [chunk][HC], the tensor-map boxes), then two unit buffers, each x [chunk][PT] and the state
 // tile (load_state_tile's layout); the tiles are swizzled (m2::swz), not padded, and start at
 // multiples of 1024 bytes (the `_tma` form's swizzled copies need it; its base is aligned so).
 template <int N, int PT>
@@ -205,6 +206,11 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
       else
         m2::ldsm_x4(cf[ks], cs + m2::swz<NB>(c_row, ks * 2 + lane / 16));
     }
+    // Block kb of this warp's rows kept from its two n8 accumulators (columns 0–7 and 8–15).
+    auto keep_block = [&](int kb, const float (&lo)[4], const float (&hi)[4]) {
+      cbw[kb * 32] = make_uint4(m2::Mma<T>::pack(lo[0], lo[1]), m2::Mma<T>::pack(lo[2], lo[3]),
+                                m2::Mma<T>::pack(hi[0], hi[1]), m2::Mma<T>::pack(hi[2], hi[3]));
+    };
     // Column blocks two at a time (two independent MMA chains), then the odd one out.
     auto cb_blocks = [&](int kb, auto nb) {
       constexpr int NBK = decltype(nb)::value;
@@ -220,10 +226,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
         }
       }
 #pragma unroll
-      for (int q = 0; q < NBK; ++q)
-        cbw[(kb + q) * 32] = make_uint4(
-            m2::Mma<T>::pack(s[q][0][0], s[q][0][1]), m2::Mma<T>::pack(s[q][0][2], s[q][0][3]),
-            m2::Mma<T>::pack(s[q][1][0], s[q][1][1]), m2::Mma<T>::pack(s[q][1][2], s[q][1][3]));
+      for (int q = 0; q < NBK; ++q) keep_block(kb + q, s[q][0], s[q][1]);
     };
     if (wg) {
       // Per warpgroup: its 64 rows against 64-token column tiles of b, up to the diagonal of its
@@ -242,11 +245,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
         m2::wgmma_hold(s);
 #pragma unroll
         for (int q = 0; q < 4; ++q)
-          if (rows_live && 4 * t + q <= rb)
-            cbw[(4 * t + q) * 32] = make_uint4(
-                m2::Mma<T>::pack(s[2 * q][0], s[2 * q][1]), m2::Mma<T>::pack(s[2 * q][2], s[2 * q][3]),
-                m2::Mma<T>::pack(s[2 * q + 1][0], s[2 * q + 1][1]),
-                m2::Mma<T>::pack(s[2 * q + 1][2], s[2 * q + 1][3]));
+          if (rows_live && 4 * t + q <= rb) keep_block(4 * t + q, s[2 * q], s[2 * q + 1]);
       }
     } else if (rows_live) {
       int kb = 0;

@@ -222,7 +222,8 @@ pub(crate) fn tensor_map_3d(
         /// host path before the first kernel of `ssd`, and buffers come back at the same
         /// addresses (the stream-ordered pool; `bench_ssd`'s rotating inputs). H200 host,
         /// `bench_ssd --cuda` at L=4096, four processes each way: one call 51.3–52.5 µs against
-        /// 51.5–53.7 encoding every map (session 18).
+        /// 51.5–53.7 encoding every map (session 18). An `ssd` call uses six maps (two for
+        /// chunk_state, four for compute_out), so 32 hold those of five different calls.
         static MAPS: std::cell::RefCell<Vec<(Key, TensorMap)>> =
             const { std::cell::RefCell::new(Vec::new()) };
     }
