@@ -14,14 +14,18 @@
 //      (its 64 rows against 64-token tiles of b) instead of per warp.
 //   1. The (head, P-tile) units stream through two buffers (x tile, state tile) by cp.async, or
 //      (`_tma` forms, sm_90+) by tensor-map copies from one thread completing on an mbarrier per
-//      buffer: unit u+1 loads while unit u computes, one barrier per unit. Per unit and warp:
+//      buffer: unit u+1 loads while unit u computes, one barrier per unit. In the `_tma` forms
+//      unit 0's tiles load into c's area (the first buffer, where it fits there: P-tile·(chunk
+//      + N) ≤ chunk·N) as soon as every warp holds its C fragments, under C·Bᵀ. Per unit and warp:
 //      Y = C·hᵀ from the register fragments (mma.sync, every warp reading the whole state tile;
 //      in the `_tma` forms compiled for sm_90a, wgmma per warpgroup, which reads it once per
 //      four warps); then for every column block kb ≤ rb the stored C·Bᵀ block is scaled in
 //      registers and becomes the A operand of Y += S·X; + D·x, · silu(z); y leaves as 16-byte
 //      row pieces after a transpose within each quad of lanes.
 //   Right after the state pass (`Dims::early`, sm_90), step 0 runs before the kernel waits for
-//   the scan, which lets it start at once (programmatic launch): only the unit loads need states.
+//   the scan, which lets it start at once (programmatic launch): only the unit loads need states
+//   (with unit 0 loaded early, thread 0 waits before C·Bᵀ, so warp 0's warpgroup forms it after
+//   the scan in programs that enter beside it).
 //   Off the diagonal (kb < rb, r0 = 16·rb, e = 16·kb + 15, so s ≤ e < r0 ≤ t) the decay factors
 //   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) is
 //   per row and scales the sum of C·hᵀ (times exp2(d_r0)) and those blocks at once, the middle
@@ -191,6 +195,44 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
     s4[2 * chunk + t] = ok ? m2::exp2_fast(s4[min(t | 15, len - 1)] - d) * s4[chunk + t] : 0.f;
     s4[3 * chunk + t] = ok ? m2::exp2_fast(d - s4[t & ~15]) : 0.f;
   }
+  auto buf_of = [&](int u) { return region + (u % 2) * lay.buf_elems; };
+  // Only the first half of the warps (the rows with the fewest column blocks) issue the unit
+  // loads.
+  const int loaders = threads / 2;
+  // Unit u is (head u / ptiles, P-tile u % ptiles).
+  if (TMA && tid == 0) {
+    m2::mbar_init(&landed[0], 1);
+    m2::mbar_init(&landed[1], 1);
+  }
+  // With the tensor maps, unit 0's tiles go into c's area (the first unit buffer, where it fits
+  // there) as soon as every warp holds its C fragments: their copies overlap C·Bᵀ instead of
+  // following step 0.
+  const bool early_unit = TMA && lay.buf_elems <= chunk * N;
+  auto load_unit = [&](int u) {
+    T* xs = buf_of(u);
+    const int h = h_first + u / ptiles, p0 = (u % ptiles) * PT;
+    const size_t bh = static_cast<size_t>(b) * D.nheads + h;
+    if constexpr (TMA) {
+      if (tid != 0) return;
+      uint64_t* bar = &landed[u % 2];
+      m2::fence_proxy_async();
+      m2::mbar_expect(bar, (chunk * PT + PT * N) * 2);
+      m2::tma_load_3d(xs, tx, h * P + p0, l0, b, bar);
+      const int row = static_cast<int>((bh * (D.nchunks + 1) + c) * P + p0);
+#pragma unroll
+      for (int k = 0; k < N / HC; ++k)
+        m2::tma_load_3d(xs + chunk * PT + k * PT * HC, th, k * HC, row, 0, bar);
+    } else {
+      if (tid >= loaders) return;
+      m2::load_tile<PT>(xs, x + tok0 * hp + h * P + p0, static_cast<uint32_t>(hp), chunk, len, tid,
+                        loaders);
+      const S* st = states + ((bh * (D.nchunks + 1)) + c) * static_cast<size_t>(P) * N +
+                    static_cast<size_t>(p0) * N;
+      load_state_tile<T, S, PT, N>(xs + chunk * PT, st, tid, loaders);
+      m2::cp_async_commit();
+    }
+  };
+
   // This warp's rows of C as A-fragments, and its blocks of C·Bᵀ.
   uint32_t cf[KS][4];
   uint4* cbw = cbs + (rb * (rb + 1) / 2) * 32 + lane;
@@ -205,6 +247,13 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
                                 m2::swz<HB2>(c_row, ks * 2 % (HC / 8) + lane / 16));
       else
         m2::ldsm_x4(cf[ks], cs + m2::swz<NB>(c_row, ks * 2 + lane / 16));
+    }
+    if (early_unit) {
+      __syncthreads();  // c is dead: unit 0's buffer
+      if (tid == 0) {
+        m2::wait_prior_grid();  // its state tile is the prior kernel's
+        load_unit(0);
+      }
     }
     // Block kb of this warp's rows kept from its two n8 accumulators (columns 0–7 and 8–15).
     auto keep_block = [&](int kb, const float (&lo)[4], const float (&hi)[4]) {
@@ -255,40 +304,6 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   }
   __syncthreads();  // c and b are dead: the region holds the unit buffers from here
 
-  auto buf_of = [&](int u) { return region + (u % 2) * lay.buf_elems; };
-  // Only the first half of the warps (the rows with the fewest column blocks) issue the unit
-  // loads.
-  const int loaders = threads / 2;
-  // Unit u is (head u / ptiles, P-tile u % ptiles).
-  if (TMA && tid == 0) {
-    m2::mbar_init(&landed[0], 1);
-    m2::mbar_init(&landed[1], 1);
-  }
-  auto load_unit = [&](int u) {
-    T* xs = buf_of(u);
-    const int h = h_first + u / ptiles, p0 = (u % ptiles) * PT;
-    const size_t bh = static_cast<size_t>(b) * D.nheads + h;
-    if constexpr (TMA) {
-      if (tid != 0) return;
-      uint64_t* bar = &landed[u % 2];
-      m2::fence_proxy_async();
-      m2::mbar_expect(bar, (chunk * PT + PT * N) * 2);
-      m2::tma_load_3d(xs, tx, h * P + p0, l0, b, bar);
-      const int row = static_cast<int>((bh * (D.nchunks + 1) + c) * P + p0);
-#pragma unroll
-      for (int k = 0; k < N / HC; ++k)
-        m2::tma_load_3d(xs + chunk * PT + k * PT * HC, th, k * HC, row, 0, bar);
-    } else {
-      if (tid >= loaders) return;
-      m2::load_tile<PT>(xs, x + tok0 * hp + h * P + p0, static_cast<uint32_t>(hp), chunk, len, tid,
-                        loaders);
-      const S* st = states + ((bh * (D.nchunks + 1)) + c) * static_cast<size_t>(P) * N +
-                    static_cast<size_t>(p0) * N;
-      load_state_tile<T, S, PT, N>(xs + chunk * PT, st, tid, loaders);
-      m2::cp_async_commit();
-    }
-  };
-
   // Each lane's ldmatrix row addresses (bytes, relative to a tile) in the state tile (C·hᵀ) and
   // the x tile (S·X), and its first output row t_lo in the x tile (D·x).
   const uint32_t h_lane = m2::swz<HB2>((lane / 16) * 8 + (lane % 8), (lane / 8) % 2) * 2;
@@ -297,7 +312,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   m2::mark(1);
   m2::wait_prior_grid();  // the states are the prior kernel's (a no-op if waited on already)
   m2::mark(2);
-  load_unit(0);
+  if (!early_unit) load_unit(0);
   for (int u = 0; u < units; ++u) {
     if constexpr (!TMA) m2::cp_async_wait<0>();
     __syncthreads();  // every warp is done with unit u − 1's buffer (and, cp.async: u landed)
