@@ -185,16 +185,6 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
     __syncthreads();
     if (wg) m2::mbar_wait(&landed[2], 0);
   }
-  // Per head and token: ws_s = exp2(d_e − d_s)·dt_s (e = the last token of s's 16-block) and
-  // es_t = exp2(d_t − d_{16·⌊t/16⌋}); zero past the sequence.
-  for (int i = tid; i < HB * chunk; i += threads) {
-    const int hh = i / chunk, t = i % chunk;
-    float* s4 = sc + hh * 4 * chunk;
-    const float d = s4[t];
-    const bool ok = t < len;
-    s4[2 * chunk + t] = ok ? m2::exp2_fast(s4[min(t | 15, len - 1)] - d) * s4[chunk + t] : 0.f;
-    s4[3 * chunk + t] = ok ? m2::exp2_fast(d - s4[t & ~15]) : 0.f;
-  }
   auto buf_of = [&](int u) { return region + (u % 2) * lay.buf_elems; };
   // Only the first half of the warps (the rows with the fewest column blocks) issue the unit
   // loads.
@@ -254,6 +244,16 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
         m2::wait_prior_grid();  // its state tile is the prior kernel's
         load_unit(0);
       }
+    }
+    // Per head and token: ws_s = exp2(d_e − d_s)·dt_s (e = the last token of s's 16-block) and
+    // es_t = exp2(d_t − d_{16·⌊t/16⌋}); zero past the sequence.
+    for (int i = tid; i < HB * chunk; i += threads) {
+      const int hh = i / chunk, t = i % chunk;
+      float* s4 = sc + hh * 4 * chunk;
+      const float d = s4[t];
+      const bool ok = t < len;
+      s4[2 * chunk + t] = ok ? m2::exp2_fast(s4[min(t | 15, len - 1)] - d) * s4[chunk + t] : 0.f;
+      s4[3 * chunk + t] = ok ? m2::exp2_fast(d - s4[t & ~15]) : 0.f;
     }
     // Block kb of this warp's rows kept from its two n8 accumulators (columns 0–7 and 8–15).
     auto keep_block = [&](int kb, const float (&lo)[4], const float (&hi)[4]) {
