@@ -24,8 +24,9 @@
 //      row pieces after a transpose within each quad of lanes.
 //   Right after the state pass (`Dims::early`, sm_90), step 0 runs before the kernel waits for
 //   the scan, which lets it start at once (programmatic launch): only the unit loads need states
-//   (with unit 0 loaded early, thread 0 waits before C·Bᵀ, so warp 0's warpgroup forms it after
-//   the scan in programs that enter beside it).
+//   (with unit 0 loaded early, thread 0 waits for the scan before the decay factors and C·Bᵀ, so
+//   in programs that enter beside the scan warp 0 — with wgmma, its warpgroup — does that part
+//   of step 0 after it).
 //   Off the diagonal (kb < rb, r0 = 16·rb, e = 16·kb + 15, so s ≤ e < r0 ≤ t) the decay factors
 //   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) is
 //   per row and scales the sum of C·hᵀ (times exp2(d_r0)) and those blocks at once, the middle
