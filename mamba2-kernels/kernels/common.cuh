@@ -167,6 +167,16 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+// Drops the L2 lines of `bytes` bytes at `p` (both multiples of 128) without writing them back,
+// the lanes of a warp taking every 32nd line: for an intermediate whose last reader has loaded
+// it. Its contents become undefined.
+__device__ __forceinline__ void discard_l2(const void* p, int bytes, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const char* q = static_cast<const char*>(p);
+  for (int o = lane * 128; o < bytes; o += 32 * 128)
+    asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(q + o) : "memory");
+#endif
+}
 // Orders this thread's earlier shared-memory accesses before its later tensor-map copies.
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -199,6 +209,35 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, int
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
       "%3, %4}], [%5];\n" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+#else
+  __trap();
+#endif
+}
+// L2 eviction priorities for tma_load_3d's `policy` (createpolicy): keep the lines for a later
+// reader (evict_last), or back to the default at their last read (evict_normal).
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t p = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+#endif
+  return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_normal() {
+  uint64_t p = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
+#endif
+  return p;
+}
+// tma_load_3d with an L2 eviction priority for the lines it reads.
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
+                                            uint64_t* bar, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)), "l"(policy)
       : "memory");
 #else
   __trap();

@@ -27,6 +27,10 @@
 //   (with unit 0 loaded early, thread 0 waits for the scan before the decay factors and C·Bᵀ, so
 //   in programs that enter beside the scan warp 0 — with wgmma, its warpgroup — does that part
 //   of step 0 after it).
+//   In `ssd` (`Dims::discard_states`: the states are its intermediates) warp 0 drops each unit's
+//   state tile from L2 after its epilogue (the tile has landed), so that it is never written back.
+//   The `_tma` forms read x and b at L2 priority evict_normal: their last reads, after `ssd`'s
+//   chunk_state loaded them at evict_last.
 //   Off the diagonal (kb < rb, r0 = 16·rb, e = 16·kb + 15, so s ≤ e < r0 ≤ t) the decay factors
 //   as exp2(d_t − d_r0)·exp2(d_r0 − d_e)·exp2(d_e − d_s), each factor ≤ 1: the first (es) is
 //   per row and scales the sum of C·hᵀ (times exp2(d_r0)) and those blocks at once, the middle
@@ -48,6 +52,9 @@ struct Dims {
   // 1: the kernel before this one on the stream is the state pass's last, which wrote only the
   // states: b, c, dt, da and D are read (and C·Bᵀ formed) before waiting on it.
   int early;
+  // 1: the states are the SSD's own intermediates, read by this kernel only: each state tile's
+  // L2 lines are dropped once it has landed, so they are never written back to memory.
+  int discard_states;
 };
 
 // Copies a [ROWS, COLS] chunk-state tile (contiguous rows) into a swizzled shared tile of T
@@ -161,7 +168,8 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
 #pragma unroll
         for (int k = 0; k < N / HC; ++k) {
           m2::tma_load_3d(cs + k * chunk * HC, tcm, g * N + k * HC, l0, b, &landed[2]);
-          m2::tma_load_3d(bs + k * chunk * HC, tbm, g * N + k * HC, l0, b, &landed[2]);
+          m2::tma_load_3d(bs + k * chunk * HC, tbm, g * N + k * HC, l0, b, &landed[2],
+                          m2::l2_evict_normal());
         }
       }
     } else {
@@ -208,7 +216,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
       uint64_t* bar = &landed[u % 2];
       m2::fence_proxy_async();
       m2::mbar_expect(bar, (chunk * PT + PT * N) * 2);
-      m2::tma_load_3d(xs, tx, h * P + p0, l0, b, bar);
+      m2::tma_load_3d(xs, tx, h * P + p0, l0, b, bar, m2::l2_evict_normal());
       const int row = static_cast<int>((bh * (D.nchunks + 1) + c) * P + p0);
 #pragma unroll
       for (int k = 0; k < N / HC; ++k)
@@ -450,6 +458,14 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
           *reinterpret_cast<uint4*>(yr + q * 32) = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
+    // Warp 0 (row block 0, the lightest) drops the unit's state tile from L2 (it has landed). Not
+    // at N = 256, whose kernel would spill more for it.
+    if (N <= 128 && D.discard_states && warp == 0) {
+      const size_t bh = static_cast<size_t>(b) * D.nheads + h;
+      m2::discard_l2(states + ((bh * (D.nchunks + 1)) + c) * static_cast<size_t>(P) * N +
+                         static_cast<size_t>(p0) * N,
+                     PT * N * static_cast<int>(sizeof(S)), lane);
+    }
   }
 }
 
@@ -525,11 +541,11 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
   extern "C" __global__ void __launch_bounds__(512) compute_out_mma_tma_##TN##_n##N##_p##PT( \
       const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap th,   \
       const __grid_constant__ m2::TensorMap tc, const __grid_constant__ m2::TensorMap tb,   \
-      const T* b, const T* c, const float* dt, const float* da, const float* dskip,      \
-      const T* z, T* y, Dims d) {                                                      \
+      const T* b, const T* c, const float* dt, const float* da, const T* states,         \
+      const float* dskip, const T* z, T* y, Dims d) {                                  \
     m2::mark(0);                                                                      \
     if (!d.early) m2::wait_prior_grid();                                              \
-    compute_out_mma<T, T, N, PT, true>(nullptr, b, c, dt, da, nullptr, dskip, z, y, d, &tx, &th, \
+    compute_out_mma<T, T, N, PT, true>(nullptr, b, c, dt, da, states, dskip, z, y, d, &tx, &th, \
                                        &tc, &tb);                                     \
     m2::mark_all(3);                                                                  \
   }

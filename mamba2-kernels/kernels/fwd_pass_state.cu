@@ -9,7 +9,8 @@
 //   chunks in parallel (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1; its
 //   `_cs` form takes raw dt instead and does stage 1 (chunk_cumsum.cu) on its chunk itself,
 //   writing dt_out and da_cumsum once per chunk: one launch fewer per `ssd` call; its `_tma`
-//   forms (sm_90+) get the x and b tiles by tensor map, one thread issuing the copies, and
+//   forms (sm_90+) get the x and b tiles by tensor map, one thread issuing the copies (in the
+//   `_tma_cs` form, `ssd`'s only, at L2 priority evict_last: compute_out reads them again), and
 //   compiled for sm_90a with four warps (bf16) multiply on wgmma, the b tile read once per
 //   program instead of once per warp;
 // state_scan: the recurrence across chunks in place, streaming the slots with 16-byte accesses;
@@ -25,7 +26,7 @@ namespace {
 
 struct Dims {
   int batch, seqlen, nheads, headdim, ngroups, dstate, chunk, nchunks;
-  int unused_[3];  // compute_out's fields (the launchers fill one struct for every SSD kernel)
+  int unused_[4];  // compute_out's fields (the launchers fill one struct for every SSD kernel)
   // state_scan: the chunk at which it lets the next kernel on the stream (compute_out) start.
   int release_at;
 };
@@ -215,14 +216,22 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
       m2::mbar_init(&bars[0], 1);
       m2::mbar_init(&bars[1], 1);
       const int xc = h * D.headdim + p0, bc = g * D.dstate + n0;
+      // The `_cs` form runs only inside `ssd`, whose compute_out reads x and b again: their lines
+      // stay in L2 at evict_last priority until then (compute_out reads them back to normal).
+      auto copy = [&](T* dst, const m2::TensorMap* map, int col, int tok, uint64_t* bar) {
+        if constexpr (CS)
+          m2::tma_load_3d(dst, map, col, tok, b, bar, m2::l2_evict_last());
+        else
+          m2::tma_load_3d(dst, map, col, tok, b, bar);
+      };
       for (int part = 0; part < 2; ++part) {
         const int r0 = part ? half : 0, rows = part ? chunk - half : half;
         m2::mbar_expect(&bars[part], rows * (PT + NT) * 2);
         for (int r = r0; r < r0 + rows; r += box_rows) {
-          m2::tma_load_3d(xs + r * PT, tx, xc, l0 + r, b, &bars[part]);
+          copy(xs + r * PT, tx, xc, l0 + r, &bars[part]);
 #pragma unroll
           for (int k = 0; k < NT / CB; ++k)
-            m2::tma_load_3d(bs + k * chunk * CB + r * CB, tb, bc + k * CB, l0 + r, b, &bars[part]);
+            copy(bs + k * chunk * CB + r * CB, tb, bc + k * CB, l0 + r, &bars[part]);
         }
       }
     }

@@ -147,6 +147,8 @@ fn device_max_smem(ctx: &Arc<CudaContext>) -> Result<usize> {
 struct Info {
     sms: usize,
     max_smem: usize,
+    /// L2 cache bytes.
+    l2: usize,
     /// Programmatic dependent launch and tensor-map copies (sm_90+).
     sm90: bool,
 }
@@ -171,6 +173,7 @@ fn info(stream: &Arc<CudaStream>) -> Result<Info> {
             let v = Info {
                 sms: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
                 max_smem: device_max_smem(ctx)?,
+                l2: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
                 sm90: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9,
             };
             lock()?.info.insert(key, v);
@@ -183,6 +186,10 @@ fn info(stream: &Arc<CudaStream>) -> Result<Info> {
 
 pub(crate) fn max_smem(stream: &Arc<CudaStream>) -> Result<usize> {
     Ok(info(stream)?.max_smem)
+}
+
+pub(crate) fn l2_bytes(stream: &Arc<CudaStream>) -> Result<usize> {
+    Ok(info(stream)?.l2)
 }
 
 pub(crate) fn sm_count(stream: &Arc<CudaStream>) -> Result<usize> {
