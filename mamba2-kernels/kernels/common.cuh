@@ -214,19 +214,15 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, int
   __trap();
 #endif
 }
-// L2 eviction priorities for tma_load_3d's `policy` (createpolicy): keep the lines for a later
-// reader (evict_last), or back to the default at their last read (evict_normal).
-__device__ __forceinline__ uint64_t l2_evict_last() {
+// An L2 eviction policy for tma_load_3d's `policy` (createpolicy): keep the lines for a later
+// reader (`last`: evict_last), or back to the default priority at their last read.
+__device__ __forceinline__ uint64_t l2_policy(bool last) {
   uint64_t p = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
-#endif
-  return p;
-}
-__device__ __forceinline__ uint64_t l2_evict_normal() {
-  uint64_t p = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
+  if (last)
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
 #endif
   return p;
 }

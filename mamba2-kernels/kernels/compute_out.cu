@@ -169,7 +169,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
         for (int k = 0; k < N / HC; ++k) {
           m2::tma_load_3d(cs + k * chunk * HC, tcm, g * N + k * HC, l0, b, &landed[2]);
           m2::tma_load_3d(bs + k * chunk * HC, tbm, g * N + k * HC, l0, b, &landed[2],
-                          m2::l2_evict_normal());
+                          m2::l2_policy(false));
         }
       }
     } else {
@@ -216,7 +216,7 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
       uint64_t* bar = &landed[u % 2];
       m2::fence_proxy_async();
       m2::mbar_expect(bar, (chunk * PT + PT * N) * 2);
-      m2::tma_load_3d(xs, tx, h * P + p0, l0, b, bar, m2::l2_evict_normal());
+      m2::tma_load_3d(xs, tx, h * P + p0, l0, b, bar, m2::l2_policy(false));
       const int row = static_cast<int>((bh * (D.nchunks + 1) + c) * P + p0);
 #pragma unroll
       for (int k = 0; k < N / HC; ++k)

@@ -220,7 +220,7 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
       // stay in L2 at evict_last priority until then (compute_out reads them back to normal).
       auto copy = [&](T* dst, const m2::TensorMap* map, int col, int tok, uint64_t* bar) {
         if constexpr (CS)
-          m2::tma_load_3d(dst, map, col, tok, b, bar, m2::l2_evict_last());
+          m2::tma_load_3d(dst, map, col, tok, b, bar, m2::l2_policy(true));
         else
           m2::tma_load_3d(dst, map, col, tok, b, bar);
       };
