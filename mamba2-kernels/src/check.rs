@@ -105,6 +105,11 @@ impl SsdDims {
     pub fn nchunks(&self, chunk_size: usize) -> usize {
         self.seqlen.div_ceil(chunk_size)
     }
+
+    /// Elements of the chunk states `[B, H, C+1, P, N]`.
+    pub fn chunk_states_len(&self, chunk_size: usize) -> usize {
+        self.batch * self.nheads * (self.nchunks(chunk_size) + 1) * self.headdim * self.dstate
+    }
 }
 
 /// The dims of `t`, which must have rank `R`; `doc` names the expected layout.

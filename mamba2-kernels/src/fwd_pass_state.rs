@@ -114,7 +114,7 @@ impl CustomOp3 for FwdPassState {
             }
         };
 
-        let mut states = vec![0f32; batch * nheads * (nchunks + 1) * pn];
+        let mut states = vec![0f32; self.dims.chunk_states_len(t)];
         states
             .par_chunks_mut((nchunks + 1) * pn)
             .enumerate()

@@ -202,7 +202,7 @@ pub(crate) fn fwd_pass_state(
     let stream = dev.cuda_stream();
     let chunk = op.chunk_size;
     let nchunks = d.nchunks(chunk);
-    let total = d.batch * d.nheads * (nchunks + 1) * d.headdim * d.dstate;
+    let total = d.chunk_states_len(chunk);
     // Stage 1 and the final state come with the op only inside `ssd`, which launches its
     // kernels itself on the GPU (`ssd` below).
     let (Steps::Given(da), None) = (&op.steps, &op.final_state) else {
@@ -533,8 +533,7 @@ fn out_pass(
     // compute_out reads them, and the drops then cost ~1 %. H200 (RESULTS, session 23 run 1),
     // graph µs without / with: L=4096 39.2–39.4 / 38.6–38.8, 2.7b layer 47.1 / 46.8; seed
     // L=16384 145.9 / 147.3, L=65536 572.4 / 577.4.
-    let states_bytes =
-        (nchunks + 1) * d.batch * d.nheads * d.headdim * d.dstate * st.size_in_bytes();
+    let states_bytes = d.chunk_states_len(chunk) * st.size_in_bytes();
     kd.discard_states =
         (early && p.states % 128 == 0 && states_bytes <= l2_bytes(stream)? / 2) as i32;
     let (t, s) = (dtype_name(name, vt)?, dtype_name(name, st)?);
@@ -639,7 +638,7 @@ pub(crate) fn ssd(call: &Call) -> Result<(Tensor, Tensor)> {
     let stream = dev.cuda_stream();
     let (vt, st) = (x_s.dtype(), call.state_dtype);
     let bhl = d.batch * d.nheads * d.seqlen;
-    let states_len = d.batch * d.nheads * (d.nchunks(chunk) + 1) * d.headdim * d.dstate;
+    let states_len = d.chunk_states_len(chunk);
     // [chunk states | dt_out | da_cumsum], each part 256-byte aligned.
     let states_bytes = (states_len * st.size_in_bytes()).next_multiple_of(256);
     let scratch = scratch::take(&stream, states_bytes + 8 * bhl)?;
