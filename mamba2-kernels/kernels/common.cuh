@@ -4,7 +4,15 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <stddef.h>
 #include <stdint.h>
+
+// A parameter struct's size and field offsets as its Rust mirror asserts them (`m2_layout!` in
+// src/cuda/mod.rs): a field added, moved or retyped on one side only fails the build.
+#define M2_SIZE(T, BYTES) \
+  static_assert(sizeof(T) == BYTES, #T ": size differs from its Rust mirror")
+#define M2_AT(T, FIELD, OFFSET) \
+  static_assert(offsetof(T, FIELD) == OFFSET, #T "." #FIELD ": offset differs from its Rust mirror")
 
 namespace m2 {
 

@@ -112,6 +112,15 @@ impl SsdDims {
     }
 }
 
+/// The sizes of a conv problem: batch, length, channels, kernel width.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConvDims {
+    pub batch: usize,
+    pub seqlen: usize,
+    pub dim: usize,
+    pub width: usize,
+}
+
 /// The dims of `t`, which must have rank `R`; `doc` names the expected layout.
 pub(crate) fn rank<const R: usize>(
     op: &str,
@@ -266,5 +275,51 @@ pub(crate) fn rows_view(t: &Tensor) -> Result<Tensor> {
         Ok(t.clone())
     } else {
         t.contiguous()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    use super::*;
+
+    #[test]
+    fn chunk_counts_round_up() {
+        let d = SsdDims {
+            batch: 2,
+            seqlen: 1000,
+            nheads: 3,
+            headdim: 4,
+            ngroups: 1,
+            dstate: 5,
+        };
+        assert_eq!(d.nchunks(256), 4);
+        assert_eq!(d.nchunks(1000), 1);
+        assert_eq!(d.chunk_states_len(256), 2 * 3 * 5 * 4 * 5);
+        assert_eq!(d.heads_per_group(), 3);
+    }
+
+    #[test]
+    fn chunk_sizes_are_powers_of_two_from_16() {
+        assert!(chunk_size("op", 16).is_ok());
+        assert!(chunk_size("op", 256).is_ok());
+        for bad in [0, 8, 24, 100] {
+            let err = chunk_size("op", bad).unwrap_err().to_string();
+            assert!(err.contains("power of two"), "{err}");
+        }
+    }
+
+    #[test]
+    fn row_strides_of_slices() -> Result<()> {
+        let t = Tensor::zeros((2, 3, 10), DType::F32, &Device::Cpu)?;
+        assert_eq!(row_stride(t.layout()), Some(10));
+        // Columns 2..6 of every row: rows of 4 values, 10 apart.
+        assert_eq!(row_stride(t.narrow(2, 2, 4)?.layout()), Some(10));
+        // A transpose has no contiguous rows.
+        assert_eq!(row_stride(t.transpose(1, 2)?.layout()), None);
+        // Rows of a middle slice are not evenly spaced across the outer dimension.
+        assert_eq!(row_stride(t.narrow(1, 0, 2)?.layout()), None);
+        Ok(())
     }
 }

@@ -1,6 +1,6 @@
-//! CPU helpers: contiguous f32 views of candle storage, conversion of f32 results back to the
-//! requested dtype, in-place f32 updates of any float storage, the RMSNorm of a row, and a strided
-//! single-threaded f32 GEMM (the `gemm` crate) for the chunk terms.
+//! CPU helpers every family's CPU code shares: contiguous f32 views of candle storage, conversion
+//! of f32 results back to the requested dtype, in-place f32 updates of any float storage, and a
+//! strided single-threaded f32 GEMM (the `gemm` crate) for the SSD's chunk terms.
 
 use std::borrow::Cow;
 
@@ -104,16 +104,6 @@ pub(crate) fn update_f32(
         ),
     }
     Ok(())
-}
-
-/// `out = v / rms(v) · w` with `rms(v) = sqrt(mean(v²) + eps)`, the RMSNorm of one row or group.
-#[inline]
-pub(crate) fn rms_normalize(v: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let mean_sq = v.iter().map(|a| a * a).sum::<f32>() / v.len() as f32;
-    let rstd = 1.0 / (mean_sq + eps).sqrt();
-    for ((o, a), wv) in out.iter_mut().zip(v).zip(w) {
-        *o = a * rstd * wv;
-    }
 }
 
 /// A read-only strided matrix inside a slice: element (i, j) is `data[i·rs + j·cs]`.

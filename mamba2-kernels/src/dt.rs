@@ -24,7 +24,21 @@ impl Default for DtOptions<'_> {
     }
 }
 
+/// The per-value part of [`DtOptions`] (softplus, clamp), as the kernels apply it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct DtRule {
+    pub softplus: bool,
+    pub limit: (f32, f32),
+}
+
 impl DtOptions<'_> {
+    pub(crate) fn rule(&self) -> DtRule {
+        DtRule {
+            softplus: self.softplus,
+            limit: self.limit,
+        }
+    }
+
     pub(crate) fn check(&self, op: &str, x: &Tensor, nheads: usize) -> Result<()> {
         if let Some(bias) = self.bias {
             check::head_param(op, "dt_bias", bias, x, nheads)?;
@@ -39,9 +53,10 @@ impl DtOptions<'_> {
 
 /// The processed step size of one raw value.
 #[inline]
-pub(crate) fn process(raw: f32, bias: f32, softplus: bool, (lo, hi): (f32, f32)) -> f32 {
+pub(crate) fn process(raw: f32, bias: f32, rule: DtRule) -> f32 {
+    let (lo, hi) = rule.limit;
     let v = raw + bias;
-    let v = if softplus && v <= 20.0 {
+    let v = if rule.softplus && v <= 20.0 {
         v.exp().ln_1p()
     } else {
         v

@@ -6,11 +6,11 @@
 //! h_t = exp(a·dt_t)·h_{t-1} + dt_t · x_t B_tᵀ        y_t = h_t C_t + D·x_t   (· silu(z_t))
 //! ```
 //!
-//! Prefill runs the chunked (SSD) form in three stages, each a candle `CustomOp`:
+//! Prefill runs the chunked (SSD) form: [`ssd`] is one op, and its three stages are ops too —
 //! [`chunk_cumsum`] (dt processing and per-chunk cumulative sums of `a·dt`, in log2 space),
 //! [`fwd_pass_state`] (the state entering every chunk, by the jump formula) and
-//! [`compute_out`] (the three terms of the output, fused); [`ssd`] runs the three in order.
-//! Decoding one token is [`ssd_step`], which updates the state in place.
+//! [`compute_out`] (the three terms of the output, fused). Decoding one token is [`ssd_step`],
+//! which updates the state in place.
 //!
 //! Layouts: `x [B,L,H,P]`, `dt [B,L,H]`, `a [H]` (f32), `b, c [B,L,G,N]` (head `h` reads group
 //! `h / (H/G)`), `z [B,L,H,P]`, `D [H]` or `[H,P]`, states `[B,H,P,N]`, chunk states
@@ -23,38 +23,40 @@
 //! a few rows: the projections of a decode step, at close to copy bandwidth on CUDA).
 //!
 //! With the `timeline` feature the CUDA kernels record when their blocks pass a few marks, and
-//! [`ssd_timeline`] gives one call's timeline (`bench_ssd --cuda --timeline`).
+//! `ssd_timeline` gives one call's timeline (`bench_ssd --cuda --timeline`).
+//!
+//! Every op family has one name at every level: its module here (`ssd`, `ssd_step`, `conv`,
+//! `norm`, `matvec`: the op structs, the public functions and their docs), its CPU code
+//! (`<family>/cpu.rs`), its CUDA launcher (`<family>/cuda.rs`, or `ssd/cuda/<stage>.rs`), the
+//! launch choices it makes as pure, unit-tested functions (`<family>/plan.rs`) and its kernels
+//! (`kernels/<family>/*.cu`, with the kernel parameter structs in `kernels/<family>/params.cuh`). `instances.rs` lists every
+//! kernel for build.rs and the launchers alike; `cuda/` is the CUDA plumbing the families share.
 
-mod add_rms_norm;
-mod causal_conv1d;
 mod check;
-mod chunk_cumsum;
-mod compute_out;
+mod conv;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dt;
-mod fwd_pass_state;
-mod gated_rms_norm;
+// The list itself serves build.rs and the tests; the launchers take only the names.
+#[cfg_attr(not(test), allow(dead_code))]
+mod instances;
 mod matvec;
+mod norm;
 pub mod reference;
 mod slot;
 mod ssd;
 mod ssd_step;
 
-pub use add_rms_norm::add_rms_norm;
-pub use causal_conv1d::{
+pub use conv::{
     causal_conv1d, causal_conv1d_split, causal_conv1d_step, causal_conv1d_step_split, ConvOptions,
 };
-pub use chunk_cumsum::chunk_cumsum;
-pub use compute_out::compute_out;
 #[cfg(feature = "cuda")]
 pub use cuda::set_poison;
-#[cfg(feature = "timeline")]
-pub use cuda::{ssd_timeline, ssd_timeline_reset, TimelineMark};
 pub use dt::DtOptions;
-pub use fwd_pass_state::fwd_pass_state;
-pub use gated_rms_norm::gated_rms_norm;
 pub use matvec::matvec;
-pub use ssd::{ssd, SsdOptions};
+pub use norm::{add_rms_norm, gated_rms_norm};
+pub use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd, SsdOptions};
+#[cfg(feature = "timeline")]
+pub use ssd::{ssd_timeline, ssd_timeline_reset, TimelineMark};
 pub use ssd_step::{ssd_step, StepOptions};

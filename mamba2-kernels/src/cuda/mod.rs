@@ -1,14 +1,15 @@
-//! CUDA launchers of the custom ops. The kernels (`kernels/*.cu`) are compiled by build.rs into
-//! fatbins, loaded once per CUDA context, and launched on candle's stream with raw device
-//! pointers; outputs are fresh allocations, and `ssd`'s intermediates live in scratch memory kept
-//! per stream (`scratch`); both are filled with NaN first under [`set_poison`], so tests can see
-//! any element a kernel fails to write.
+//! The CUDA plumbing every op family's launcher shares: the kernel images (fatbins compiled by
+//! build.rs) loaded once per CUDA context, device attributes, launches on candle's stream with
+//! raw device pointers, pointers and stream guards of candle storages, fresh outputs, scratch
+//! memory kept per stream ([`scratch`]) and TMA tensor maps ([`tensor_map`]). Outputs and scratch
+//! are filled with NaN first under [`set_poison`], so tests can see any element a kernel fails to
+//! write. The families (`crate::ssd`, `crate::conv`, …) import from here; nothing here imports a
+//! family.
 //!
 //! On first use of a context, the device's default memory pool (the one candle's stream-ordered
 //! allocations come from) is told to keep freed memory instead of returning it to the driver at
-//! every synchronisation: otherwise each call re-maps its outputs and chunk states (~100–300 µs
-//! for the SSD's tens of MB), which a host call would pay every time. PyTorch's caching allocator
-//! keeps memory the same way.
+//! every synchronisation: otherwise each call would re-map its outputs and intermediates, which a
+//! host call would pay every time. PyTorch's caching allocator keeps memory the same way.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -28,21 +29,31 @@ use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
-mod conv;
-mod matvec;
-mod norm;
-mod scratch;
-mod ssd;
-#[cfg(feature = "timeline")]
-mod timeline;
+pub(crate) mod scratch;
+pub(crate) mod tensor_map;
 
-pub(crate) use conv::{causal_conv1d, causal_conv1d_step};
-pub(crate) use matvec::matvec;
-pub(crate) use norm::{add_rms_norm, gated_rms_norm};
-pub(crate) use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_step};
-#[cfg(feature = "timeline")]
-pub use timeline::{ssd_timeline, ssd_timeline_reset, TimelineMark};
+pub(crate) use crate::instances::Ty;
 
+/// Asserts at compile time that a kernel parameter struct has the size and field offsets that its
+/// C definition asserts (`M2_SIZE`, `M2_AT` in the family's `params.cuh`).
+macro_rules! m2_layout {
+    ($t:ty, $size:expr, { $($field:ident: $offset:expr),* $(,)? }) => {
+        const _: () = {
+            assert!(std::mem::size_of::<$t>() == $size, "size differs from the C struct");
+            $(assert!(
+                std::mem::offset_of!($t, $field) == $offset,
+                "field offset differs from the C struct"
+            );)*
+        };
+    };
+}
+pub(crate) use m2_layout;
+
+/// A kernel image: the fatbin build.rs compiled from `kernels/<family>/<file>.cu`, named
+/// `<family>_<file>`.
+pub(crate) type Image = (&'static str, &'static [u8]);
+
+/// The [`Image`] of `kernels/<family>/<file>.cu`, given as `"<family>_<file>"`.
 macro_rules! fatbin {
     ($name:literal) => {
         (
@@ -51,14 +62,7 @@ macro_rules! fatbin {
         )
     };
 }
-pub(crate) type Image = (&'static str, &'static [u8]);
-const CHUNK_CUMSUM: Image = fatbin!("chunk_cumsum");
-const FWD_PASS_STATE: Image = fatbin!("fwd_pass_state");
-const COMPUTE_OUT: Image = fatbin!("compute_out");
-const SSD_STEP: Image = fatbin!("ssd_step");
-const CAUSAL_CONV1D: Image = fatbin!("causal_conv1d");
-const RMS_NORM: Image = fatbin!("rms_norm");
-const MATVEC: Image = fatbin!("matvec");
+pub(crate) use fatbin;
 
 /// Loaded modules and functions, per CUDA context (a context is a device's primary context).
 #[derive(Default)]
@@ -114,6 +118,16 @@ pub(crate) fn function(stream: &Arc<CudaStream>, image: Image, name: &str) -> Re
         .or_default()
         .insert(name.to_string(), f.clone());
     Ok(f)
+}
+
+/// The module of `image` on the stream's context, if a kernel of it has been loaded there.
+#[cfg(feature = "timeline")]
+pub(crate) fn loaded_module(
+    stream: &Arc<CudaStream>,
+    image: Image,
+) -> Result<Option<Arc<CudaModule>>> {
+    let key = stream.context().cu_ctx() as usize;
+    Ok(lock()?.modules.get(&(key, image.0)).cloned())
 }
 
 /// Raises the release threshold of `ctx`'s device's default memory pool to "never".
@@ -204,108 +218,12 @@ pub(crate) fn has_tma(stream: &Arc<CudaStream>) -> Result<bool> {
     Ok(info(stream)?.sm90 && !off)
 }
 
-/// A tensor map as a kernel parameter (`m2::TensorMap`, passed by value).
-#[repr(transparent)]
-#[derive(Clone, Copy)]
-pub(crate) struct TensorMap(sys::CUtensorMap);
-// SAFETY: 128 bytes of plain data, 64-byte aligned like the kernels' `m2::TensorMap`.
-unsafe impl DeviceRepr for TensorMap {}
-
-/// The tensor map of a 3-D tensor of 2-byte values at `base` (16-byte aligned): `dims`
-/// innermost first, the outer dimensions' strides in elements (multiples of 8), boxes of
-/// `box_dims` landing with the swizzle of their row bytes (32, 64 or 128).
-pub(crate) fn tensor_map_3d(
-    base: u64,
-    dtype: DType,
-    dims: [usize; 3],
-    strides: [usize; 2],
-    box_dims: [usize; 3],
-) -> Result<TensorMap> {
-    type Key = (u64, DType, [usize; 3], [usize; 2], [usize; 3]);
-    const KEPT: usize = 32;
-    thread_local! {
-        /// The maps this thread encoded last, by everything the encoding reads (the same
-        /// inputs give the same map, so a hit is exact): each encoding is a driver call on the
-        /// host path before the first kernel of `ssd`, and buffers come back at the same
-        /// addresses (the stream-ordered pool; `bench_ssd`'s rotating inputs). H200 host,
-        /// `bench_ssd --cuda` at L=4096, four processes each way: one call 51.3–52.5 µs against
-        /// 51.5–53.7 encoding every map (session 18). An `ssd` call uses six maps (two for
-        /// chunk_state, four for compute_out), so 32 hold those of five different calls.
-        static MAPS: std::cell::RefCell<Vec<(Key, TensorMap)>> =
-            const { std::cell::RefCell::new(Vec::new()) };
-    }
-    let key = (base, dtype, dims, strides, box_dims);
-    if let Some(map) = MAPS.with(|m| m.borrow().iter().find(|(k, _)| *k == key).map(|e| e.1)) {
-        return Ok(map);
-    }
-    let map = encode_map_3d(base, dtype, dims, strides, box_dims)?;
-    MAPS.with(|m| {
-        let mut m = m.borrow_mut();
-        if m.len() == KEPT {
-            m.remove(0);
-        }
-        m.push((key, map));
-    });
-    Ok(map)
-}
-
-/// [`tensor_map_3d`] encoded by the driver.
-fn encode_map_3d(
-    base: u64,
-    dtype: DType,
-    dims: [usize; 3],
-    strides: [usize; 2],
-    box_dims: [usize; 3],
-) -> Result<TensorMap> {
-    use sys::{
-        CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Fill,
-        CUtensorMapInterleave as Interleave, CUtensorMapL2promotion as L2,
-        CUtensorMapSwizzle as Swizzle,
-    };
-    let ty = match dtype {
-        DType::BF16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        dt => bail!("no tensor map for dtype {dt:?}"),
-    };
-    let swizzle = match box_dims[0] * 2 {
-        32 => Swizzle::CU_TENSOR_MAP_SWIZZLE_32B,
-        64 => Swizzle::CU_TENSOR_MAP_SWIZZLE_64B,
-        128 => Swizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-        b => bail!("tensor map rows of {b} bytes (32, 64 or 128 needed)"),
-    };
-    let dims = dims.map(|d| d as u64);
-    let strides = strides.map(|s| 2 * s as u64);
-    let box_dims = box_dims.map(|b| b as u32);
-    let unit = [1u32; 3];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-    // SAFETY: the arrays outlive the call and hold rank (dims, box, element strides) or rank − 1
-    // (strides) entries; the driver only encodes them into `map`, checking the ranges.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            ty,
-            3,
-            base as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            box_dims.as_ptr(),
-            unit.as_ptr(),
-            Interleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            swizzle,
-            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            Fill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-        .result()
-        .w()?;
-        Ok(TensorMap(map.assume_init()))
-    }
-}
-
-pub(crate) fn dtype_name(op: &str, dtype: DType) -> Result<&'static str> {
+/// The kernels' type of values of `dtype`, or an error naming the op.
+pub(crate) fn ty(op: &str, dtype: DType) -> Result<Ty> {
     Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
+        DType::F32 => Ty::F32,
+        DType::F16 => Ty::F16,
+        DType::BF16 => Ty::Bf16,
         dt => bail!("{op}: no CUDA kernel for dtype {dt:?}"),
     })
 }

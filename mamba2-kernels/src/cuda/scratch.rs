@@ -1,8 +1,7 @@
-//! Scratch memory for [`crate::ssd`]'s intermediates on the GPU: stage 1's step sizes and the
-//! chunk states live only from the state pass to compute_out, so each thread keeps one buffer
-//! per (context, stream) for them instead of allocating two per call — two stream-ordered
-//! allocations cost ~5 µs of host time before the first kernel could start (H200 host, session
-//! 12 run 1), a tenth of a call at L=4096.
+//! Scratch memory for `ssd`'s intermediates on the GPU: stage 1's step sizes and the chunk
+//! states live only from the state pass to compute_out, so each thread keeps one buffer per
+//! (context, stream) for them instead of allocating per call: a stream-ordered allocation is host
+//! time spent before the first kernel can start.
 //!
 //! Reuse is safe in stream order: the next call's kernels write the buffer only after every
 //! kernel before them on the stream has finished (each of ours waits for its predecessor before
@@ -21,8 +20,8 @@ use candle_core::Result;
 
 use super::{poison, poisoning};
 
-/// The largest buffer a thread keeps for a stream between calls (64 MiB: the intermediates of
-/// L = 4096 at the seed's B=4, H=8 take 18 MiB, a 2.7b-model layer at L = 2048 22 MiB).
+/// The largest buffer a thread keeps for a stream between calls: room for the intermediates of
+/// a 2.7b-model layer at L = 2048 (22 MiB) and of L = 4096 at B=4, H=8, N=128 (18 MiB).
 pub(crate) const KEPT_BYTES: usize = 64 << 20;
 
 /// A buffer's (context, stream).

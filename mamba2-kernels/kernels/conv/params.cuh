@@ -1,0 +1,32 @@
+// The parameters of the conv kernels, passed by value. Mirrored by `ConvParams` in
+// src/conv/cuda.rs; both sides assert the same size and offsets, so a drift fails the build.
+#pragma once
+#include "common.cuh"
+
+namespace m2 {
+
+// The output pieces y0 [rows, s0], y1 [rows, s1] and y2 [rows, D − s0 − s1] (null when unused),
+// the token-row stride of x (elements), the dimensions and whether SiLU is applied.
+struct ConvParams {
+  void* y0;
+  void* y1;
+  void* y2;
+  long x_stride;
+  int s0, s1;
+  int batch, seqlen, dim, width;
+  int silu;
+};
+M2_SIZE(ConvParams, 64);
+M2_AT(ConvParams, y0, 0);
+M2_AT(ConvParams, y1, 8);
+M2_AT(ConvParams, y2, 16);
+M2_AT(ConvParams, x_stride, 24);
+M2_AT(ConvParams, s0, 32);
+M2_AT(ConvParams, s1, 36);
+M2_AT(ConvParams, batch, 40);
+M2_AT(ConvParams, seqlen, 44);
+M2_AT(ConvParams, dim, 48);
+M2_AT(ConvParams, width, 52);
+M2_AT(ConvParams, silu, 56);
+
+}  // namespace m2

@@ -1,0 +1,21 @@
+// The parameters of the norm kernels, passed by value. Mirrored by `NormParams` in
+// src/norm/cuda.rs; both sides assert the same size and offsets, so a drift fails the build.
+#pragma once
+#include "common.cuh"
+
+namespace m2 {
+
+// Row length D, channels per normalised group (the gated norm; D for the add norm), the row
+// stride of z (elements; the gated norm, whose z may be a slice of a wider tensor), and eps.
+struct NormParams {
+  long z_stride;
+  int dim, group;
+  float eps;
+};
+M2_SIZE(NormParams, 24);
+M2_AT(NormParams, z_stride, 0);
+M2_AT(NormParams, dim, 8);
+M2_AT(NormParams, group, 12);
+M2_AT(NormParams, eps, 16);
+
+}  // namespace m2

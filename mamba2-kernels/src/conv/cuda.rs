@@ -1,0 +1,184 @@
+//! Launchers of `kernels/conv/causal_conv1d.cu` (prefill and one-token step). The input rows may
+//! be a slice of a wider tensor (xBC inside in_proj's output): the kernels take their row stride.
+//! The output is written as up to three contiguous pieces cut by channels (the mixer's x, B and
+//! C).
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
+
+use crate::check::ConvDims;
+use crate::cuda::{alloc, cfg, fatbin, function, i, launch, m2_layout, opt_ptr, ptr, rows_ptr};
+use crate::cuda::{ty, written, Guards, Held, Image};
+use crate::instances;
+
+const IMAGE: Image = fatbin!("conv_causal_conv1d");
+const THREADS: usize = 128;
+/// Tokens per thread of the prefill kernel (its `TOKENS`).
+const TOKENS: usize = 32;
+
+/// `m2::ConvParams` (`kernels/conv/params.cuh`): the output pieces (cut at s0 and s0 + s1), the
+/// token-row stride of x, the dimensions, SiLU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ConvParams {
+    y0: u64,
+    y1: u64,
+    y2: u64,
+    x_stride: i64,
+    s0: i32,
+    s1: i32,
+    batch: i32,
+    seqlen: i32,
+    dim: i32,
+    width: i32,
+    silu: i32,
+}
+m2_layout!(ConvParams, 64, {
+    y0: 0, y1: 8, y2: 16, x_stride: 24, s0: 32, s1: 36, batch: 40, seqlen: 44, dim: 48,
+    width: 52, silu: 56,
+});
+// SAFETY: plain old data with the C struct's layout (asserted above).
+unsafe impl DeviceRepr for ConvParams {}
+
+/// What a conv op holds besides its arguments: bias, SiLU, dimensions and the channel counts of
+/// the output pieces.
+pub(super) struct Conv<'a> {
+    pub bias: Option<&'a Tensor>,
+    pub silu: bool,
+    pub dims: ConvDims,
+    pub split: &'a [usize],
+}
+
+impl Conv<'_> {
+    /// Allocates the output pieces of `rows` rows and fills in the parameters (`x_stride`: the
+    /// token-row stride of x).
+    fn outputs(
+        &self,
+        dev: &CudaDevice,
+        stream: &CudaStream,
+        dtype: DType,
+        rows: usize,
+        x_stride: i64,
+    ) -> Result<(Vec<CudaStorage>, ConvParams)> {
+        let op = "causal_conv1d";
+        let bufs = self
+            .split
+            .iter()
+            .map(|&w| alloc(dev, dtype, rows * w))
+            .collect::<Result<Vec<_>>>()?;
+        let mut p = [0u64; 3];
+        for (k, (b, &w)) in bufs.iter().zip(self.split).enumerate() {
+            p[k] = ptr(op, "output", b, &Layout::contiguous(rows * w), stream)?.0;
+        }
+        let d = self.dims;
+        let params = ConvParams {
+            y0: p[0],
+            y1: p[1],
+            y2: p[2],
+            x_stride,
+            s0: i(self.split[0])?,
+            s1: i(self.split.get(1).copied().unwrap_or(0))?,
+            batch: i(d.batch)?,
+            seqlen: i(d.seqlen)?,
+            dim: i(d.dim)?,
+            width: i(d.width)?,
+            silu: self.silu as i32,
+        };
+        Ok((bufs, params))
+    }
+}
+
+/// The prefill conv: returns the output pieces `[B·L, split[k]]` and the new state `[B,D,K]`.
+pub(super) fn causal_conv1d(
+    conv: &Conv,
+    (x_s, x_l): (&CudaStorage, &Layout),
+    (w_s, w_l): (&CudaStorage, &Layout),
+    (st_s, st_l): (&CudaStorage, &Layout),
+) -> Result<(Vec<CudaStorage>, CudaStorage)> {
+    let op = "causal_conv1d";
+    let d = conv.dims;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
+    let rows = d.batch * d.seqlen;
+    let (mut ys, params) = conv.outputs(dev, &stream, x_s.dtype(), rows, x_stride)?;
+    let state_len = d.batch * d.dim * d.width;
+    let mut st_out = alloc(dev, x_s.dtype(), state_len)?;
+    let bias = conv.bias.map(Held::new);
+    let mut guards = Guards::new();
+    let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
+    let (st_p, _g3) = ptr(op, "initial_state", st_s, st_l, &stream)?;
+    let bias_p = opt_ptr(op, "bias", &bias, &stream, &mut guards)?;
+    let so_p = ptr(
+        op,
+        "state",
+        &st_out,
+        &Layout::contiguous(state_len),
+        &stream,
+    )?
+    .0;
+    let f = function(
+        &stream,
+        IMAGE,
+        &instances::causal_conv1d(ty(op, x_s.dtype())?),
+    )?;
+    let grid = (
+        d.dim.div_ceil(THREADS) as u32,
+        d.seqlen.div_ceil(TOKENS) as u32,
+        d.batch as u32,
+    );
+    launch(
+        &stream,
+        &f,
+        cfg(grid, (THREADS as u32, 1, 1), 0),
+        &[&x_p, &w_p, &bias_p, &st_p, &so_p, &params],
+    )?;
+    written(&mut st_out, &stream)?;
+    for y in ys.iter_mut() {
+        written(y, &stream)?;
+    }
+    Ok((ys, st_out))
+}
+
+/// The decode conv with `weight [D,K]`, in place on the state: returns the output pieces
+/// `[B, split[k]]`.
+pub(super) fn causal_conv1d_step(
+    conv: &Conv,
+    weight: &Tensor,
+    (st_s, st_l): (&mut CudaStorage, &Layout),
+    (x_s, x_l): (&CudaStorage, &Layout),
+) -> Result<Vec<CudaStorage>> {
+    let op = "causal_conv1d_step";
+    let d = conv.dims;
+    let dev = x_s.device.clone();
+    let stream = dev.cuda_stream();
+    let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
+    let (mut ys, params) = conv.outputs(&dev, &stream, x_s.dtype(), d.batch, x_stride)?;
+    let (w, bias) = (Held::new(weight), conv.bias.map(Held::new));
+    let mut guards = Guards::new();
+    let w_p = w.ptr(op, "weight", &stream, &mut guards)?;
+    let bias_p = opt_ptr(op, "bias", &bias, &stream, &mut guards)?;
+    let (st_p, g3) = ptr(op, "state", st_s, st_l, &stream)?;
+    let f = function(
+        &stream,
+        IMAGE,
+        &instances::causal_conv1d_step(ty(op, x_s.dtype())?),
+    )?;
+    launch(
+        &stream,
+        &f,
+        cfg(
+            (d.dim.div_ceil(THREADS) as u32, d.batch as u32, 1),
+            (THREADS as u32, 1, 1),
+            0,
+        ),
+        &[&st_p, &x_p, &w_p, &bias_p, &params],
+    )?;
+    drop(g3);
+    written(st_s, &stream)?;
+    for y in ys.iter_mut() {
+        written(y, &stream)?;
+    }
+    Ok(ys)
+}

@@ -1,0 +1,379 @@
+//! Depthwise causal conv1d with its rolling state (mamba_ssm's `causal_conv1d_fn` for prefill and
+//! `causal_conv1d_update` for decode), with optional bias and fused SiLU:
+//!
+//! ```text
+//! y[b,t,d] = act(bias[d] + Σ_{k<K} w[d,k] · u[b, t−K+1+k, d])          act = SiLU or identity
+//! u[b,s,d] = x[b,s,d] for s ≥ 0,   state[b,d,K+s] for −K ≤ s < 0
+//! ```
+//!
+//! The state `[B,D,K]` holds the last K **pre-conv** inputs per channel, oldest first: exactly the
+//! `conv_state` of HF's cache and of mamba_ssm's `Mamba2` (zeros for a fresh sequence, which is the
+//! conv's causal zero padding; after fewer than K tokens the inputs are zero-padded on the left).
+//! After a call the new state is the last K entries of `u`. Layouts: `x [B,L,D]` channels last (as
+//! xBC leaves in_proj), `weight [D,K]` (the checkpoint's `[D,1,K]` squeezed), `bias [D]`; all in
+//! x's dtype (f32, f16 or bf16), accumulation in f32.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp3, InplaceOp2, Layout, Result, Shape, Storage, Tensor,
+};
+
+use crate::check::{self, ConvDims};
+use crate::cpu::{f32_view, from_f32, small_f32, update_f32};
+use crate::slot::Slot;
+
+/// Options shared by [`causal_conv1d`] and [`causal_conv1d_step`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ConvOptions<'a> {
+    /// Per-channel bias `[D]`, in x's dtype.
+    pub bias: Option<&'a Tensor>,
+    /// Apply SiLU to the output (Mamba-2 always does).
+    pub silu: bool,
+}
+
+/// The bias as f32, zeros when absent.
+fn bias_f32(bias: &Option<Tensor>, dim: usize) -> Result<Vec<f32>> {
+    match bias {
+        Some(t) => small_f32(t),
+        None => Ok(vec![0.0; dim]),
+    }
+}
+
+/// The prefill conv on `(x, weight, state)`; the new state is left in `state_out`.
+#[derive(Debug)]
+struct CausalConv1d {
+    bias: Option<Tensor>,
+    silu: bool,
+    dims: ConvDims,
+    /// Channel counts of the output pieces (sum D); piece 0 is the op's output.
+    split: Vec<usize>,
+    /// Pieces 1.. of the output.
+    rest: Vec<Slot>,
+    state_out: Slot,
+}
+
+impl CustomOp3 for CausalConv1d {
+    fn name(&self) -> &'static str {
+        "causal_conv1d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+        st_s: &CpuStorage,
+        st_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let x = f32_view(op, "x", x_s, x_l)?;
+        let w = f32_view(op, "weight", w_s, w_l)?;
+        let st = f32_view(op, "initial_state", st_s, st_l)?;
+        let bias = bias_f32(&self.bias, self.dims.dim)?;
+        let (y, new_state) = cpu::prefill(&x, &w, &st, &bias, self.silu, self.dims);
+        let dtype = x_s.dtype();
+        self.state_out
+            .put(op, Storage::Cpu(from_f32(new_state, dtype)?))?;
+        let mut pieces = cpu::split_rows(&y, self.dims.dim, &self.split).into_iter();
+        let first = pieces.next().unwrap_or_default();
+        for (slot, piece) in self.rest.iter().zip(pieces) {
+            slot.put(op, Storage::Cpu(from_f32(piece, dtype)?))?;
+        }
+        let d = self.dims;
+        Ok((
+            from_f32(first, dtype)?,
+            Shape::from((d.batch, d.seqlen, self.split[0])),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        w_s: &candle_core::CudaStorage,
+        w_l: &Layout,
+        st_s: &candle_core::CudaStorage,
+        st_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let conv = cuda::Conv {
+            bias: self.bias.as_ref(),
+            silu: self.silu,
+            dims: self.dims,
+            split: &self.split,
+        };
+        let (ys, new_state) = cuda::causal_conv1d(&conv, (x_s, x_l), (w_s, w_l), (st_s, st_l))?;
+        self.state_out.put(self.name(), Storage::Cuda(new_state))?;
+        let mut ys = ys.into_iter();
+        let Some(first) = ys.next() else {
+            bail!("{}: no output", self.name())
+        };
+        for (slot, y) in self.rest.iter().zip(ys) {
+            slot.put(self.name(), Storage::Cuda(y))?;
+        }
+        let d = self.dims;
+        Ok((first, Shape::from((d.batch, d.seqlen, self.split[0]))))
+    }
+}
+
+/// The decode conv, in place on the state, with source `x`; the output is left in `y`.
+#[derive(Debug)]
+struct CausalConv1dStep {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    silu: bool,
+    dims: ConvDims,
+    /// Channel counts of the output pieces (sum D).
+    split: Vec<usize>,
+    /// The output pieces.
+    pieces: Vec<Slot>,
+}
+
+impl InplaceOp2 for CausalConv1dStep {
+    fn name(&self) -> &'static str {
+        "causal_conv1d_step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        st_s: &mut CpuStorage,
+        st_l: &Layout,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+    ) -> Result<()> {
+        let op = self.name();
+        let x = f32_view(op, "x", x_s, x_l)?;
+        let w = small_f32(&self.weight)?;
+        let bias = bias_f32(&self.bias, self.dims.dim)?;
+        let mut y = Vec::new();
+        update_f32(op, "state", st_s, st_l, |st| {
+            y = cpu::step(st, &x, &w, &bias, self.silu, self.dims);
+        })?;
+        let pieces = cpu::split_rows(&y, self.dims.dim, &self.split);
+        for (slot, piece) in self.pieces.iter().zip(pieces) {
+            slot.put(op, Storage::Cpu(from_f32(piece, x_s.dtype())?))?;
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        st_s: &mut candle_core::CudaStorage,
+        st_l: &Layout,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+    ) -> Result<()> {
+        let conv = cuda::Conv {
+            bias: self.bias.as_ref(),
+            silu: self.silu,
+            dims: self.dims,
+            split: &self.split,
+        };
+        let ys = cuda::causal_conv1d_step(&conv, &self.weight, (st_s, st_l), (x_s, x_l))?;
+        for (slot, y) in self.pieces.iter().zip(ys) {
+            slot.put(self.name(), Storage::Cuda(y))?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks `weight [D,K]` and the optional bias against x; returns K.
+fn check_params(
+    op: &str,
+    x: &Tensor,
+    weight: &Tensor,
+    opts: &ConvOptions,
+    dim: usize,
+) -> Result<usize> {
+    check::float(op, "x", x)?;
+    let [wd, width] = check::rank::<2>(op, "weight", weight, "[D, K]")?;
+    check::device(op, "weight", weight, x)?;
+    check::same_dtype(op, "weight", weight, x)?;
+    if wd != dim || width == 0 {
+        bail!(
+            "{op}: weight must have shape [D, K] with D = {dim} (x's channels) and K >= 1, got {:?}",
+            weight.dims()
+        )
+    }
+    if let Some(bias) = opts.bias {
+        check::device(op, "bias", bias, x)?;
+        check::shape(op, "bias", bias, &[dim], "[D]")?;
+        check::same_dtype(op, "bias", bias, x)?;
+    }
+    Ok(width)
+}
+
+/// Checks that `split` cuts D channels into 1 to 3 non-empty pieces.
+fn check_split(op: &str, split: &[usize], dim: usize) -> Result<()> {
+    if split.is_empty()
+        || split.len() > 3
+        || split.contains(&0)
+        || split.iter().sum::<usize>() != dim
+    {
+        bail!("{op}: split must be 1 to 3 non-empty channel counts summing to D = {dim}, got {split:?}")
+    }
+    Ok(())
+}
+
+/// Runs the causal conv over `x [B,L,D]` from `initial_state [B,D,K]` (zeros if `None`).
+///
+/// `weight [D,K]`, bias and state in x's dtype. Returns `(y [B,L,D], new_state [B,D,K])`, both in
+/// x's dtype; the new state holds the last K inputs (see the module doc).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use mamba2_kernels::{causal_conv1d, ConvOptions};
+///
+/// // One channel, taps [1, 2, 3] (oldest first): y_t = x_{t−2} + 2·x_{t−1} + 3·x_t.
+/// let x = Tensor::new(&[[[1f32], [10.0], [100.0]]], &Device::Cpu)?; // [B=1, L=3, D=1]
+/// let w = Tensor::new(&[[1f32, 2.0, 3.0]], &Device::Cpu)?;
+/// let (y, state) = causal_conv1d(&x, &w, None, &ConvOptions::default())?;
+/// assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, [3.0, 32.0, 321.0]);
+/// assert_eq!(state.flatten_all()?.to_vec1::<f32>()?, [1.0, 10.0, 100.0]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn causal_conv1d(
+    x: &Tensor,
+    weight: &Tensor,
+    initial_state: Option<&Tensor>,
+    opts: &ConvOptions,
+) -> Result<(Tensor, Tensor)> {
+    let dim = x.dims().last().copied().unwrap_or(0);
+    let (mut ys, state) = causal_conv1d_split(x, weight, initial_state, opts, &[dim])?;
+    match ys.pop() {
+        Some(y) => Ok((y, state)),
+        None => bail!("causal_conv1d: no output"),
+    }
+}
+
+/// [`causal_conv1d`] with its output cut by channels into `split` (1 to 3 counts summing to D):
+/// returns the pieces `[B,L,split[i]]`, each contiguous, as the mixer wants x, B and C.
+/// On CUDA the rows of x may be a slice of a wider tensor (read in place).
+pub fn causal_conv1d_split(
+    x: &Tensor,
+    weight: &Tensor,
+    initial_state: Option<&Tensor>,
+    opts: &ConvOptions,
+    split: &[usize],
+) -> Result<(Vec<Tensor>, Tensor)> {
+    let op = "causal_conv1d";
+    let [batch, seqlen, dim] = check::rank::<3>(op, "x", x, "[B, L, D]")?;
+    let width = check_params(op, x, weight, opts, dim)?;
+    if batch == 0 || seqlen == 0 || dim == 0 {
+        bail!("{op}: x has an empty dimension, shape {:?}", x.dims())
+    }
+    check_split(op, split, dim)?;
+    let state = match initial_state {
+        Some(s) => {
+            check::device(op, "initial_state", s, x)?;
+            check::shape(op, "initial_state", s, &[batch, dim, width], "[B, D, K]")?;
+            check::same_dtype(op, "initial_state", s, x)?;
+            s.contiguous()?
+        }
+        None => Tensor::zeros((batch, dim, width), x.dtype(), x.device())?,
+    };
+    let conv = CausalConv1d {
+        bias: opts.bias.map(|b| b.contiguous()).transpose()?,
+        silu: opts.silu,
+        dims: ConvDims {
+            batch,
+            seqlen,
+            dim,
+            width,
+        },
+        split: split.to_vec(),
+        rest: split[1..].iter().map(|_| Slot::default()).collect(),
+        state_out: Slot::default(),
+    };
+    let first = check::rows_view(x)?.apply_op3_no_bwd(&weight.contiguous()?, &state, &conv)?;
+    let mut ys = vec![first];
+    for (slot, &w) in conv.rest.into_iter().zip(&split[1..]) {
+        ys.push(slot.take(op, "output piece", (batch, seqlen, w))?);
+    }
+    let new_state = conv.state_out.take(op, "new state", (batch, dim, width))?;
+    Ok((ys, new_state))
+}
+
+/// Advances `state [B,D,K]` by one token `x [B,D]` in place and returns the conv output `y [B,D]`.
+///
+/// The state must be contiguous and, like `weight [D,K]` and the bias, in x's dtype.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use mamba2_kernels::{causal_conv1d, causal_conv1d_step, ConvOptions};
+///
+/// let dev = Device::Cpu;
+/// let opts = ConvOptions { bias: None, silu: true };
+/// let x = Tensor::randn(0f32, 1.0, (2, 6, 5), &dev)?; // [B, L, D]
+/// let w = Tensor::randn(0f32, 1.0, (5, 4), &dev)?;
+/// let (y, _) = causal_conv1d(&x, &w, None, &opts)?;
+/// // The same conv one token at a time, on a rolling state.
+/// let state = Tensor::zeros((2, 5, 4), x.dtype(), &dev)?;
+/// for t in 0..6 {
+///     let yt = causal_conv1d_step(&state, &x.narrow(1, t, 1)?.squeeze(1)?, &w, &opts)?;
+///     let diff = (yt - y.narrow(1, t, 1)?.squeeze(1)?)?.abs()?.max_all()?;
+///     assert!(diff.to_scalar::<f32>()? < 1e-6);
+/// }
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn causal_conv1d_step(
+    state: &Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    opts: &ConvOptions,
+) -> Result<Tensor> {
+    let dim = x.dims().last().copied().unwrap_or(0);
+    match causal_conv1d_step_split(state, x, weight, opts, &[dim])?.pop() {
+        Some(y) => Ok(y),
+        None => bail!("causal_conv1d_step: no output"),
+    }
+}
+
+/// [`causal_conv1d_step`] with its output cut by channels into `split` (1 to 3 counts summing to
+/// D): returns the contiguous pieces `[B,split[i]]`. On CUDA the row of x may be a slice.
+pub fn causal_conv1d_step_split(
+    state: &Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    opts: &ConvOptions,
+    split: &[usize],
+) -> Result<Vec<Tensor>> {
+    let op = "causal_conv1d_step";
+    let [batch, dim] = check::rank::<2>(op, "x", x, "[B, D]")?;
+    let width = check_params(op, x, weight, opts, dim)?;
+    if batch == 0 || dim == 0 {
+        bail!("{op}: x has an empty dimension, shape {:?}", x.dims())
+    }
+    check_split(op, split, dim)?;
+    check::device(op, "state", state, x)?;
+    check::shape(op, "state", state, &[batch, dim, width], "[B, D, K]")?;
+    check::same_dtype(op, "state", state, x)?;
+    if !state.is_contiguous() {
+        bail!("{op}: state must be contiguous to be updated in place")
+    }
+    let step = CausalConv1dStep {
+        weight: weight.contiguous()?,
+        bias: opts.bias.map(|b| b.contiguous()).transpose()?,
+        silu: opts.silu,
+        dims: ConvDims {
+            batch,
+            seqlen: 1,
+            dim,
+            width,
+        },
+        split: split.to_vec(),
+        pieces: split.iter().map(|_| Slot::default()).collect(),
+    };
+    state.inplace_op2(&check::rows_view(x)?, &step)?;
+    step.pieces
+        .into_iter()
+        .zip(split)
+        .map(|(slot, &w)| slot.take(op, "output piece", (batch, w)))
+        .collect()
+}

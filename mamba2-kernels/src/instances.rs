@@ -1,0 +1,403 @@
+// The kernels of every `.cu` file, one list for both sides of the FFI: build.rs writes each
+// file's instantiations from `instances()` (`OUT_DIR/<family>/<file>.inc`, included at the end of
+// the `.cu`), and the launchers name a kernel only through the functions below, so a kernel's name
+// is spelt in one place. The families' `plan` tests check that every kernel a launch plan can pick
+// is in the list. build.rs includes this file too: plain Rust, no dependencies, no inner
+// attributes.
+
+/// A value or state type of the kernels: its suffix in kernel names and its C type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ty {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Ty {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Ty::F32 => "f32",
+            Ty::F16 => "f16",
+            Ty::Bf16 => "bf16",
+        }
+    }
+
+    pub const fn c(self) -> &'static str {
+        match self {
+            Ty::F32 => "float",
+            Ty::F16 => "__half",
+            Ty::Bf16 => "__nv_bfloat16",
+        }
+    }
+
+    pub const fn bytes(self) -> usize {
+        match self {
+            Ty::F32 => 4,
+            Ty::F16 | Ty::Bf16 => 2,
+        }
+    }
+}
+
+/// Types of values (x, b, c, z, y, conv and norm inputs).
+pub const VALUES: [Ty; 3] = [Ty::F32, Ty::F16, Ty::Bf16];
+/// Types of values the tensor-core kernels take.
+pub const MMA_VALUES: [Ty; 2] = [Ty::F16, Ty::Bf16];
+/// Types of SSD states (chunk states, decode state).
+pub const STATES: [Ty; 2] = [Ty::F32, Ty::Bf16];
+
+/// Warps per chunk_state_mma program (16 state rows each) and its state-column tiles.
+pub const CHUNK_STATE_WARPS: [usize; 2] = [2, 4];
+pub const CHUNK_STATE_TILES: [usize; 4] = [16, 32, 64, 128];
+/// compute_out_mma's (N, channels per unit) pairs.
+pub const COMPUTE_OUT_TILES: [(usize, usize); 9] = [
+    (16, 32),
+    (16, 64),
+    (32, 32),
+    (32, 64),
+    (64, 32),
+    (64, 64),
+    (128, 32),
+    (128, 64),
+    (256, 32),
+];
+/// compute_out_mma's tensor-map forms read the states as values: value type = state type.
+pub const COMPUTE_OUT_TMA_VALUES: [Ty; 1] = [Ty::Bf16];
+/// matvec's (rows, columns) per program.
+pub const MATVEC_TILES: [(usize, usize); 6] = [(1, 8), (1, 2), (2, 8), (2, 2), (4, 4), (8, 2)];
+
+/// How chunk_state_mma gets its inputs: step sizes given (plain) or stage 1 run inside (`_cs`),
+/// tiles by cp.async (plain) or by tensor map (`_tma`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ChunkStateForm {
+    Plain,
+    Cs,
+    Tma,
+    TmaCs,
+}
+
+impl ChunkStateForm {
+    pub const ALL: [ChunkStateForm; 4] = [Self::Plain, Self::Cs, Self::Tma, Self::TmaCs];
+
+    const fn infix(self) -> &'static str {
+        match self {
+            Self::Plain => "",
+            Self::Cs => "_cs",
+            Self::Tma => "_tma",
+            Self::TmaCs => "_tma_cs",
+        }
+    }
+
+    const fn mac(self) -> &'static str {
+        match self {
+            Self::Plain => "CHUNK_STATE",
+            Self::Cs => "CHUNK_STATE_CS",
+            Self::Tma => "CHUNK_STATE_TMA",
+            Self::TmaCs => "CHUNK_STATE_TMA_CS",
+        }
+    }
+}
+
+/// The decode step's state-row kernels: 4 columns per lane for N ≤ 128 (`Vec1`) or ≤ 256
+/// (`Vec2`), or one column at a time (`Scalar`, any N and alignment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StepPath {
+    Vec1,
+    Vec2,
+    Scalar,
+}
+
+impl StepPath {
+    pub const ALL: [StepPath; 3] = [Self::Vec1, Self::Vec2, Self::Scalar];
+
+    const fn name(self) -> &'static str {
+        match self {
+            Self::Vec1 => "vec1",
+            Self::Vec2 => "vec2",
+            Self::Scalar => "scalar",
+        }
+    }
+}
+
+/// How a norm program holds its row: 8 consecutive values per thread with 16-byte accesses
+/// (`Vec`), 8 strided values per thread (`Reg`), or re-read in a loop (`Loop`, any length).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowKind {
+    Vec,
+    Reg,
+    Loop,
+}
+
+impl RowKind {
+    pub const ALL: [RowKind; 3] = [Self::Vec, Self::Reg, Self::Loop];
+
+    const fn name(self) -> &'static str {
+        match self {
+            Self::Vec => "vec",
+            Self::Reg => "reg",
+            Self::Loop => "loop",
+        }
+    }
+}
+
+pub fn chunk_cumsum(t: Ty) -> String {
+    format!("chunk_cumsum_{}", t.name())
+}
+
+pub fn fwd_pass_state_simt(t: Ty, s: Ty) -> String {
+    format!("fwd_pass_state_simt_{}_{}", t.name(), s.name())
+}
+
+pub fn chunk_state_mma(form: ChunkStateForm, t: Ty, s: Ty, warps: usize, nt: usize) -> String {
+    let (tn, sn, f) = (t.name(), s.name(), form.infix());
+    format!("chunk_state_mma{f}_{tn}_{sn}_w{warps}_n{nt}")
+}
+
+/// The scan across chunks; `deep`: a ring of 256 bytes of chunks per thread instead of 128.
+pub fn state_scan(deep: bool, s: Ty) -> String {
+    format!("state_scan{}_{}", if deep { "_deep" } else { "" }, s.name())
+}
+
+/// compute_out on tensor cores: tiles by cp.async with states of type `s`, or by tensor map
+/// (`tma`, states of the value type).
+pub fn compute_out_mma(tma: bool, t: Ty, s: Ty, n: usize, pt: usize) -> String {
+    if tma {
+        format!("compute_out_mma_tma_{}_n{n}_p{pt}", t.name())
+    } else {
+        format!("compute_out_mma_{}_{}_n{n}_p{pt}", t.name(), s.name())
+    }
+}
+
+pub fn compute_out_simt(t: Ty, s: Ty) -> String {
+    format!("compute_out_simt_{}_{}", t.name(), s.name())
+}
+
+pub fn ssd_step(t: Ty, s: Ty, path: StepPath) -> String {
+    format!("ssd_step_{}_{}_{}", t.name(), s.name(), path.name())
+}
+
+pub fn causal_conv1d(t: Ty) -> String {
+    format!("causal_conv1d_{}", t.name())
+}
+
+pub fn causal_conv1d_step(t: Ty) -> String {
+    format!("causal_conv1d_step_{}", t.name())
+}
+
+pub fn gated_rms_norm(t: Ty, kind: RowKind) -> String {
+    format!("gated_rms_norm_{}_{}", t.name(), kind.name())
+}
+
+/// Residual add + RMSNorm with an f32 residual (`res_f32`) or one of the value type.
+pub fn add_rms_norm(t: Ty, res_f32: bool, kind: RowKind) -> String {
+    let res = if res_f32 { "res_f32" } else { "res_same" };
+    format!("add_rms_norm_{}_{res}_{}", t.name(), kind.name())
+}
+
+/// matvec with `rows` × `cols` per program, 16-byte loads (`vec`) or scalar ones.
+pub fn matvec(t: Ty, rows: usize, cols: usize, vec: bool) -> String {
+    let kind = if vec { "vec" } else { "scalar" };
+    format!("matvec_{}_r{rows}_c{cols}_{kind}", t.name())
+}
+
+/// One kernel: the `.cu` file that defines it (under `kernels/`, without extension), its name,
+/// and the macro call in that file that instantiates it.
+#[derive(Clone, Debug)]
+pub struct Instance {
+    pub file: &'static str,
+    pub name: String,
+    pub call: String,
+}
+
+fn add(list: &mut Vec<Instance>, file: &'static str, name: String, mac: &str, args: &[&str]) {
+    let call = format!("{mac}({name}, {})", args.join(", "));
+    list.push(Instance { file, name, call });
+}
+
+/// Every kernel of every `.cu` file.
+pub fn instances() -> Vec<Instance> {
+    let mut v = Vec::new();
+    for t in VALUES {
+        add(
+            &mut v,
+            "ssd/chunk_cumsum",
+            chunk_cumsum(t),
+            "CHUNK_CUMSUM",
+            &[t.c()],
+        );
+        for s in STATES {
+            let name = fwd_pass_state_simt(t, s);
+            add(
+                &mut v,
+                "ssd/fwd_pass_state",
+                name,
+                "FPS_SIMT",
+                &[t.c(), s.c()],
+            );
+            let name = compute_out_simt(t, s);
+            add(&mut v, "ssd/compute_out", name, "CO_SIMT", &[t.c(), s.c()]);
+            for path in StepPath::ALL {
+                let name = ssd_step(t, s, path);
+                let (mac, rows) = match path {
+                    StepPath::Vec1 => ("STEP_VEC", "1"),
+                    StepPath::Vec2 => ("STEP_VEC", "2"),
+                    StepPath::Scalar => ("STEP_SCALAR", ""),
+                };
+                let args = [t.c(), s.c(), rows];
+                let args = if rows.is_empty() {
+                    &args[..2]
+                } else {
+                    &args[..]
+                };
+                add(&mut v, "ssd_step/ssd_step", name, mac, args);
+            }
+        }
+        add(
+            &mut v,
+            "conv/causal_conv1d",
+            causal_conv1d(t),
+            "CONV",
+            &[t.c()],
+        );
+        let name = causal_conv1d_step(t);
+        add(&mut v, "conv/causal_conv1d", name, "CONV_STEP", &[t.c()]);
+        for kind in RowKind::ALL {
+            let (gated, add_norm, rows) = match kind {
+                RowKind::Vec => ("GATED_NORM_VEC", "ADD_NORM_VEC", ""),
+                RowKind::Reg => ("GATED_NORM", "ADD_NORM", "8"),
+                RowKind::Loop => ("GATED_NORM", "ADD_NORM", "0"),
+            };
+            let with_rows = |first: &[&'static str]| {
+                let mut a = first.to_vec();
+                if !rows.is_empty() {
+                    a.push(rows);
+                }
+                a
+            };
+            let name = gated_rms_norm(t, kind);
+            add(&mut v, "norm/rms_norm", name, gated, &with_rows(&[t.c()]));
+            for (res_f32, r) in [(true, Ty::F32.c()), (false, t.c())] {
+                let name = add_rms_norm(t, res_f32, kind);
+                add(
+                    &mut v,
+                    "norm/rms_norm",
+                    name,
+                    add_norm,
+                    &with_rows(&[t.c(), r]),
+                );
+            }
+        }
+        for (rows, cols) in MATVEC_TILES {
+            let (r, c) = (rows.to_string(), cols.to_string());
+            for vec in [true, false] {
+                let args = [t.c(), &r, &c, if vec { "true" } else { "false" }];
+                add(
+                    &mut v,
+                    "matvec/matvec",
+                    matvec(t, rows, cols, vec),
+                    "MATVEC",
+                    &args,
+                );
+            }
+        }
+    }
+    for s in STATES {
+        for deep in [false, true] {
+            // Chunks of 8 states in flight per thread: 128 bytes, 256 in the deep ring.
+            let per = (if deep { 256 } else { 128 } / (8 * s.bytes())).to_string();
+            add(
+                &mut v,
+                "ssd/fwd_pass_state",
+                state_scan(deep, s),
+                "SCAN",
+                &[s.c(), &per],
+            );
+        }
+    }
+    for t in MMA_VALUES {
+        for s in STATES {
+            for w in CHUNK_STATE_WARPS {
+                for nt in CHUNK_STATE_TILES {
+                    let (ws, ns) = (w.to_string(), nt.to_string());
+                    for form in ChunkStateForm::ALL {
+                        let name = chunk_state_mma(form, t, s, w, nt);
+                        let args = [t.c(), s.c(), &ws, &ns];
+                        add(&mut v, "ssd/fwd_pass_state", name, form.mac(), &args);
+                    }
+                }
+            }
+            for (n, pt) in COMPUTE_OUT_TILES {
+                let (ns, ps) = (n.to_string(), pt.to_string());
+                let name = compute_out_mma(false, t, s, n, pt);
+                add(
+                    &mut v,
+                    "ssd/compute_out",
+                    name,
+                    "CO_MMA",
+                    &[t.c(), s.c(), &ns, &ps],
+                );
+            }
+        }
+    }
+    for t in COMPUTE_OUT_TMA_VALUES {
+        for (n, pt) in COMPUTE_OUT_TILES {
+            let (ns, ps) = (n.to_string(), pt.to_string());
+            let name = compute_out_mma(true, t, t, n, pt);
+            add(
+                &mut v,
+                "ssd/compute_out",
+                name,
+                "CO_MMA_TMA",
+                &[t.c(), &ns, &ps],
+            );
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn kernel_names_are_unique_and_files_known() {
+        let all = instances();
+        let names: HashSet<&str> = all.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(names.len(), all.len());
+        let files: HashSet<&str> = all.iter().map(|k| k.file).collect();
+        let want = [
+            "ssd/chunk_cumsum",
+            "ssd/fwd_pass_state",
+            "ssd/compute_out",
+            "ssd_step/ssd_step",
+            "conv/causal_conv1d",
+            "norm/rms_norm",
+            "matvec/matvec",
+        ];
+        assert_eq!(files, want.into_iter().collect());
+    }
+
+    #[test]
+    fn calls_name_their_kernel_first() {
+        let call = &instances()
+            .into_iter()
+            .find(|k| k.name == "compute_out_mma_bf16_f32_n128_p64")
+            .expect("an instance")
+            .call;
+        assert_eq!(
+            call,
+            "CO_MMA(compute_out_mma_bf16_f32_n128_p64, __nv_bfloat16, float, 128, 64)"
+        );
+        let scan = instances()
+            .into_iter()
+            .find(|k| k.name == "state_scan_deep_bf16")
+            .expect("an instance");
+        assert_eq!(scan.call, "SCAN(state_scan_deep_bf16, __nv_bfloat16, 16)");
+        let scan = instances()
+            .into_iter()
+            .find(|k| k.name == "state_scan_f32")
+            .expect("an instance");
+        assert_eq!(scan.call, "SCAN(state_scan_f32, float, 4)");
+    }
+}

@@ -1,0 +1,126 @@
+//! Launchers of `kernels/norm/rms_norm.cu`: the gated RMSNorm (one program per row and group)
+//! and residual add + RMSNorm (one program per row), each row held in registers when it fits
+//! (`plan::row_program`). The gate z may be a slice of in_proj's output: its row stride is
+//! passed.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+use candle_core::{bail, CudaStorage, DType, Layout, Result, Tensor};
+
+use super::plan::row_program;
+use crate::cuda::{alloc, cfg, fatbin, function, i, launch, m2_layout, opt_ptr, ptr, rows_ptr};
+use crate::cuda::{ty, written, Guards, Held, Image};
+use crate::instances;
+
+const IMAGE: Image = fatbin!("norm_rms_norm");
+
+/// `m2::NormParams` (`kernels/norm/params.cuh`): z's row stride, the row length, the channels
+/// per normalised group, eps.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct NormParams {
+    z_stride: i64,
+    dim: i32,
+    group: i32,
+    eps: f32,
+}
+m2_layout!(NormParams, 24, { z_stride: 0, dim: 8, group: 12, eps: 16 });
+// SAFETY: plain old data with the C struct's layout (asserted above).
+unsafe impl DeviceRepr for NormParams {}
+
+/// Whether every address is 16-byte aligned.
+fn aligned16(addrs: &[u64]) -> bool {
+    addrs.iter().all(|a| a % 16 == 0)
+}
+
+type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+/// The gated norm: `y` of x's shape.
+pub(super) fn gated_rms_norm(
+    (x_s, x_l): Input,
+    (z_s, z_l): Input,
+    (w_s, w_l): Input,
+    group: usize,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let op = "gated_rms_norm";
+    let dim = w_l.shape().elem_count();
+    let rows = x_l.shape().elem_count() / dim;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let mut y = alloc(dev, x_s.dtype(), rows * dim)?;
+    let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
+    let (z_p, z_stride, _g2) = rows_ptr(op, "z", z_s, z_l, &stream)?;
+    let (w_p, _g3) = ptr(op, "weight", w_s, w_l, &stream)?;
+    let y_p = ptr(op, "y", &y, &Layout::contiguous(rows * dim), &stream)?.0;
+    let esize = x_s.dtype().size_in_bytes() as u64;
+    let rows_aligned = [z_stride as u64 * esize, dim as u64 * esize];
+    let aligned = aligned16(&[x_p, z_p, w_p, y_p]) && aligned16(&rows_aligned);
+    let (threads, kind) = row_program(group, aligned);
+    let kernel = instances::gated_rms_norm(ty(op, x_s.dtype())?, kind);
+    let f = function(&stream, IMAGE, &kernel)?;
+    let params = NormParams {
+        z_stride,
+        dim: i(dim)?,
+        group: i(group)?,
+        eps,
+    };
+    let grid = (rows as u32, (dim / group) as u32, 1);
+    launch(
+        &stream,
+        &f,
+        cfg(grid, (threads, 1, 1), 0),
+        &[&x_p, &z_p, &w_p, &y_p, &params],
+    )?;
+    written(&mut y, &stream)?;
+    Ok(y)
+}
+
+/// Residual add + RMSNorm with the incoming residual (if any) and the new residual's dtype:
+/// returns `(y, new residual)`, both of x's shape.
+pub(super) fn add_rms_norm(
+    (x_s, x_l): Input,
+    (w_s, w_l): Input,
+    (residual, residual_dtype): (Option<&Tensor>, DType),
+    eps: f32,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let op = "add_rms_norm";
+    let dim = w_l.shape().elem_count();
+    let rows = x_l.shape().elem_count() / dim;
+    let len = rows * dim;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let mut y = alloc(dev, x_s.dtype(), len)?;
+    let mut res_out = alloc(dev, residual_dtype, len)?;
+    let residual = residual.map(Held::new);
+    let mut guards = Guards::new();
+    let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
+    let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
+    let res_p = opt_ptr(op, "residual", &residual, &stream, &mut guards)?;
+    let y_p = ptr(op, "y", &y, &Layout::contiguous(len), &stream)?.0;
+    let ro_p = ptr(op, "residual", &res_out, &Layout::contiguous(len), &stream)?.0;
+    let res_f32 = match residual_dtype {
+        DType::F32 => true,
+        dt if dt == x_s.dtype() => false,
+        dt => bail!("{op}: residual must be f32 or x's dtype, got {dt:?}"),
+    };
+    let aligned = aligned16(&[x_p, w_p, y_p, res_p, ro_p]);
+    let (threads, kind) = row_program(dim, aligned);
+    let kernel = instances::add_rms_norm(ty(op, x_s.dtype())?, res_f32, kind);
+    let f = function(&stream, IMAGE, &kernel)?;
+    let params = NormParams {
+        z_stride: 0,
+        dim: i(dim)?,
+        group: i(dim)?,
+        eps,
+    };
+    launch(
+        &stream,
+        &f,
+        cfg((rows as u32, 1, 1), (threads, 1, 1), 0),
+        &[&x_p, &res_p, &w_p, &y_p, &ro_p, &params],
+    )?;
+    written(&mut y, &stream)?;
+    written(&mut res_out, &stream)?;
+    Ok((y, res_out))
+}

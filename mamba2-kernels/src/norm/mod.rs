@@ -1,0 +1,241 @@
+//! The two RMSNorms of a Mamba-2 block.
+//!
+//! [`gated_rms_norm`] closes the mixer (mamba_ssm's `RMSNormGated` with
+//! `norm_before_gate=False`), per group of `group_size` channels:
+//!
+//! ```text
+//! g = x · silu(z)                                        x, z [..., D], D = G · group_size
+//! y[i] = g[i] / sqrt(mean_{j ∈ group(i)} g[j]² + eps) · weight[i]
+//! ```
+//!
+//! mamba_ssm builds it with `group_size = d_inner / ngroups`; HF transformers (5.17) normalises
+//! over the whole row, which is `group_size = D` and equals it only when ngroups = 1.
+//!
+//! [`add_rms_norm`] is the pre-norm of every block and the final norm (mamba_ssm's fused
+//! `layer_norm_fn(..., residual, prenorm=True, is_rms_norm=True)`):
+//!
+//! ```text
+//! r = x + residual            (r = x for the first block)          x, residual [..., D]
+//! y = r / sqrt(mean(r²) + eps) · weight                            weight [D]
+//! ```
+//!
+//! It returns `y` in x's dtype and the new residual `r`, kept in f32 when `residual_in_fp32` and
+//! in x's dtype otherwise; the incoming residual must already have that dtype. Like the fused
+//! kernel, `y` is normalised from the f32 sum, not from the rounded residual.
+//!
+//! Inputs f32, f16 or bf16 (x, z and `weight [D]` of one dtype), f32 arithmetic, output in x's
+//! dtype.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod plan;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor,
+};
+
+use crate::check;
+use crate::cpu::{f32_view, from_f32, Held};
+use crate::slot::Slot;
+
+/// The gated norm on `(x, z, weight)`.
+#[derive(Clone, Copy, Debug)]
+struct GatedRmsNorm {
+    group_size: usize,
+    eps: f32,
+}
+
+impl CustomOp3 for GatedRmsNorm {
+    fn name(&self) -> &'static str {
+        "gated_rms_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        z_s: &CpuStorage,
+        z_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let x = f32_view(op, "x", x_s, x_l)?;
+        let z = f32_view(op, "z", z_s, z_l)?;
+        let w = f32_view(op, "weight", w_s, w_l)?;
+        let y = cpu::gated_rms_norm(&x, &z, &w, self.group_size, self.eps);
+        Ok((from_f32(y, x_s.dtype())?, x_l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        z_s: &candle_core::CudaStorage,
+        z_l: &Layout,
+        w_s: &candle_core::CudaStorage,
+        w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (group, eps) = (self.group_size, self.eps);
+        let y = cuda::gated_rms_norm((x_s, x_l), (z_s, z_l), (w_s, w_l), group, eps)?;
+        Ok((y, x_l.shape().clone()))
+    }
+}
+
+/// `rmsnorm_per_group(x · silu(z)) · weight` over the last dimension of `x` (see the module doc).
+///
+/// `x, z [..., D]` and `weight [D]` share one dtype; `group_size` must divide D. Returns x's shape
+/// and dtype. On CUDA the rows of z may be a slice of a wider tensor (read in place).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use mamba2_kernels::gated_rms_norm;
+///
+/// let x = Tensor::new(&[[3f32, 4.0, 1.0, 1.0]], &Device::Cpu)?;
+/// let z = Tensor::new(&[[30f32, 30.0, 30.0, 30.0]], &Device::Cpu)?; // silu(30) ≈ 30
+/// let w = Tensor::new(&[1f32, 1.0, 2.0, 2.0], &Device::Cpu)?;
+/// // Two groups of two: each is scaled to a root mean square of 1, times the weight.
+/// let y = gated_rms_norm(&x, &z, &w, 2, 0.0)?.to_vec2::<f32>()?;
+/// let rms = (12.5f32).sqrt();
+/// for (got, want) in y[0].iter().zip([3.0 / rms, 4.0 / rms, 2.0, 2.0]) {
+///     assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+/// }
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn gated_rms_norm(
+    x: &Tensor,
+    z: &Tensor,
+    weight: &Tensor,
+    group_size: usize,
+    eps: f64,
+) -> Result<Tensor> {
+    let op = "gated_rms_norm";
+    check::float(op, "x", x)?;
+    let dim = check::last_dim(op, "x", x)?;
+    check::device(op, "z", z, x)?;
+    check::shape(op, "z", z, x.dims(), "like x")?;
+    check::same_dtype(op, "z", z, x)?;
+    check::device(op, "weight", weight, x)?;
+    check::shape(op, "weight", weight, &[dim], "[D]")?;
+    check::same_dtype(op, "weight", weight, x)?;
+    if group_size == 0 || dim % group_size != 0 {
+        bail!("{op}: group_size ({group_size}) must divide the channel count D ({dim})")
+    }
+    check::eps(op, eps)?;
+    let norm = GatedRmsNorm {
+        group_size,
+        eps: eps as f32,
+    };
+    x.contiguous()?
+        .apply_op3_no_bwd(&check::rows_view(z)?, &weight.contiguous()?, &norm)
+}
+
+/// The add norm on `(x, weight)`; the new residual is left in `residual_out`.
+#[derive(Debug)]
+struct AddRmsNorm {
+    residual: Option<Tensor>,
+    residual_dtype: DType,
+    eps: f32,
+    residual_out: Slot,
+}
+
+impl CustomOp2 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "add_rms_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let mut sum = f32_view(op, "x", x_s, x_l)?.into_owned();
+        let w = f32_view(op, "weight", w_s, w_l)?;
+        let held = self.residual.as_ref().map(Held::new);
+        let residual = held.as_ref().map(|h| h.f32(op, "residual")).transpose()?;
+        let y = cpu::add_rms_norm(&mut sum, residual.as_deref(), &w, self.eps);
+        self.residual_out
+            .put(op, Storage::Cpu(from_f32(sum, self.residual_dtype)?))?;
+        Ok((from_f32(y, x_s.dtype())?, x_l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        w_s: &candle_core::CudaStorage,
+        w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let residual = (self.residual.as_ref(), self.residual_dtype);
+        let (y, r) = cuda::add_rms_norm((x_s, x_l), (w_s, w_l), residual, self.eps)?;
+        self.residual_out.put(self.name(), Storage::Cuda(r))?;
+        Ok((y, x_l.shape().clone()))
+    }
+}
+
+/// Adds `residual` to `x [..., D]` and RMS-normalises the sum with `weight [D]` (see the module
+/// doc). Returns `(normed in x's dtype, new residual)`; the new residual is f32 when
+/// `residual_in_fp32`, else x's dtype, and `residual` (when given) must have that dtype.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use mamba2_kernels::add_rms_norm;
+///
+/// let x = Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &Device::Cpu)?;
+/// let w = Tensor::ones(2, DType::F32, &Device::Cpu)?;
+/// // The first block has no residual yet: its residual is x itself.
+/// let (y, residual) = add_rms_norm(&x, None, &w, 1e-5, true)?;
+/// assert_eq!(residual.to_vec2::<f32>()?, x.to_vec2::<f32>()?);
+/// let (_, residual) = add_rms_norm(&y, Some(&residual), &w, 1e-5, true)?;
+/// assert_eq!(residual.dims(), &[2, 2]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn add_rms_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+    residual_in_fp32: bool,
+) -> Result<(Tensor, Tensor)> {
+    let op = "add_rms_norm";
+    check::float(op, "x", x)?;
+    let dim = check::last_dim(op, "x", x)?;
+    check::device(op, "weight", weight, x)?;
+    check::shape(op, "weight", weight, &[dim], "[D]")?;
+    check::same_dtype(op, "weight", weight, x)?;
+    check::eps(op, eps)?;
+    let residual_dtype = if residual_in_fp32 {
+        DType::F32
+    } else {
+        x.dtype()
+    };
+    if let Some(r) = residual {
+        check::device(op, "residual", r, x)?;
+        check::shape(op, "residual", r, x.dims(), "like x")?;
+        if r.dtype() != residual_dtype {
+            bail!(
+                "{op}: residual must be {residual_dtype:?} (residual_in_fp32 = {residual_in_fp32}, x is {:?}), got {:?}",
+                x.dtype(),
+                r.dtype()
+            )
+        }
+    }
+    let norm = AddRmsNorm {
+        residual: residual.map(|r| r.contiguous()).transpose()?,
+        residual_dtype,
+        eps: eps as f32,
+        residual_out: Slot::default(),
+    };
+    let y = x
+        .contiguous()?
+        .apply_op2_no_bwd(&weight.contiguous()?, &norm)?;
+    let residual = norm.residual_out.take(op, "residual", x.shape().clone())?;
+    Ok((y, residual))
+}

@@ -1,0 +1,278 @@
+//! The chunked SSD forward, mamba_ssm's `mamba_chunk_scan_combined` with `return_final_states`:
+//! [`ssd`] is one op, and its three stages are ops of their own — [`chunk_cumsum`] (step sizes and
+//! their per-chunk cumulative sums), [`fwd_pass_state`] (the state entering every chunk) and
+//! [`compute_out`] (the outputs).
+//!
+//! With `d` = da_cumsum (log2 space) and `h_c` the state entering chunk c, for tokens `t, s` of
+//! one chunk:
+//!
+//! ```text
+//! dt_s    = clamp(softplus(dt_s + dt_bias), lo, hi)          d_t = log2(e)·Σ_{s ≤ t} a·dt_s
+//! h_{c+1} = exp2(d_last)·h_c + Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ
+//! Y[t]    = exp2(d_t)·(h_c C_t) + Σ_{s ≤ t} exp2(d_t − d_s)·(C_t·B_s)·dt_s·x_s + D·x_t   (· silu(z_t))
+//! ```
+//!
+//! Layouts: `x [B,L,H,P]`, `dt [B,L,H]`, `a [H]` f32, `b, c [B,L,G,N]` (head `h` reads group
+//! `h / (H/G)`), `z [B,L,H,P]`, `D [H]` or `[H,P]` f32; stage 1's outputs `[B,H,L]` f32, chunk
+//! states `[B,H,C+1,P,N]` (entry c enters chunk c, entry C is the final state) and states
+//! `[B,H,P,N]` in f32 or bf16. Values are f32, f16 or bf16; arithmetic accumulates in f32.
+//!
+//! On the CPU `ssd` runs the three stages' functions (`cpu`); on CUDA one launcher queues the
+//! kernels of all three back to back (`cuda`: stage 1 inside the state pass's first kernel where
+//! it pays, the intermediates in scratch memory kept per stream), so that a call spends little
+//! host time before its first kernel and compute_out starts while the state pass drains.
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod plan;
+mod stages;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use half::bf16;
+
+use crate::check::{self, SsdDims};
+use crate::dt::DtRule;
+use crate::slot::Slot;
+use crate::DtOptions;
+
+#[cfg(feature = "timeline")]
+pub use cuda::timeline::{ssd_timeline, ssd_timeline_reset, TimelineMark};
+pub use stages::{chunk_cumsum, compute_out, fwd_pass_state};
+
+/// Options of [`ssd`]; `Default` is chunk 256, f32 states and mamba_ssm's defaults.
+#[derive(Clone, Copy, Debug)]
+pub struct SsdOptions<'a> {
+    /// Tokens per chunk: a power of two ≥ 16.
+    pub chunk_size: usize,
+    /// How raw dt becomes the step size (bias, softplus, limit).
+    pub dt: DtOptions<'a>,
+    /// Skip term `D`, `[H]` or `[H,P]` f32.
+    pub d: Option<&'a Tensor>,
+    /// Gate `z [B,L,H,P]`: the output is `y·silu(z)`.
+    pub z: Option<&'a Tensor>,
+    /// State before the first token, `[B,H,P,N]` f32 or bf16 (zeros if `None`).
+    pub initial_state: Option<&'a Tensor>,
+    /// dtype of the chunk states and of the returned final state: f32 or bf16.
+    pub state_dtype: DType,
+}
+
+impl Default for SsdOptions<'_> {
+    fn default() -> Self {
+        Self {
+            chunk_size: 256,
+            dt: DtOptions::default(),
+            d: None,
+            z: None,
+            initial_state: None,
+            state_dtype: DType::F32,
+        }
+    }
+}
+
+/// The `ssd` op on `(x, b, c)`; the other inputs are held, contiguous (`dt`: its rows, which
+/// CUDA reads in place), the initial state in the state dtype. The final state is left in
+/// `final_state`.
+#[derive(Debug)]
+struct Ssd {
+    dt: Tensor,
+    a: Tensor,
+    dt_bias: Option<Tensor>,
+    d: Option<Tensor>,
+    z: Option<Tensor>,
+    init: Option<Tensor>,
+    rule: DtRule,
+    dims: SsdDims,
+    chunk_size: usize,
+    state_dtype: DType,
+    final_state: Slot,
+}
+
+impl CustomOp3 for Ssd {
+    fn name(&self) -> &'static str {
+        "ssd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        b_s: &CpuStorage,
+        b_l: &Layout,
+        c_s: &CpuStorage,
+        c_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use crate::cpu::{f32_view, from_f32, small_f32, Held};
+        let (op, dims, chunk) = (self.name(), &self.dims, self.chunk_size);
+        let (x, b, c) = (
+            f32_view(op, "x", x_s, x_l)?,
+            f32_view(op, "b", b_s, b_l)?,
+            f32_view(op, "c", c_s, c_l)?,
+        );
+        let held = (
+            Held::new(&self.dt),
+            self.z.as_ref().map(Held::new),
+            self.init.as_ref().map(Held::new),
+        );
+        let dt_in = held.0.f32(op, "dt")?;
+        let z = held.1.as_ref().map(|h| h.f32(op, "z")).transpose()?;
+        let init = held
+            .2
+            .as_ref()
+            .map(|h| h.f32(op, "initial_state"))
+            .transpose()?;
+        let bias = match &self.dt_bias {
+            Some(t) => small_f32(t)?,
+            None => vec![0.0; dims.nheads],
+        };
+        let d = self.d.as_ref().map(small_f32).transpose()?;
+        let shape = (dims.batch, dims.seqlen, dims.nheads);
+        let a = small_f32(&self.a)?;
+        let steps = cpu::chunk_cumsum(&dt_in, shape, &a, &bias, self.rule, chunk);
+        let (dt, da) = steps.split_at(steps.len() / 2);
+        let mut states = cpu::chunk_states((&x, &b), (dt, da), init.as_deref(), dims, chunk);
+        // compute_out reads the chunk states as stored: rounded when they are bf16.
+        if self.state_dtype == DType::BF16 {
+            states
+                .iter_mut()
+                .for_each(|v| *v = bf16::from_f32(*v).to_f32());
+        }
+        let last = cpu::final_states(&states, dims, chunk);
+        self.final_state
+            .put(op, Storage::Cpu(from_f32(last, self.state_dtype)?))?;
+        let inputs = cpu::OutInputs {
+            x: &x,
+            b: &b,
+            c: &c,
+            dt,
+            da,
+            d: d.as_deref(),
+            z: z.as_deref(),
+        };
+        let y = cpu::compute_out(&inputs, &states, dims, chunk);
+        let y_shape = Shape::from((dims.batch, dims.seqlen, dims.nheads, dims.headdim));
+        Ok((from_f32(y, x_s.dtype())?, y_shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        b_s: &candle_core::CudaStorage,
+        b_l: &Layout,
+        c_s: &candle_core::CudaStorage,
+        c_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let fused = cuda::Fused {
+            x: (x_s, x_l),
+            b: (b_s, b_l),
+            c: (c_s, c_l),
+            dt: &self.dt,
+            a: &self.a,
+            dt_bias: self.dt_bias.as_ref(),
+            d: self.d.as_ref(),
+            z: self.z.as_ref(),
+            init: self.init.as_ref(),
+            rule: self.rule,
+            dims: self.dims,
+            chunk_size: self.chunk_size,
+            state_dtype: self.state_dtype,
+        };
+        let (y, last) = cuda::ssd(&fused)?;
+        self.final_state.put(self.name(), Storage::Cuda(last))?;
+        let d = &self.dims;
+        Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
+    }
+}
+
+/// Runs the SSD over `x [B,L,H,P]` with `dt [B,L,H]`, `a [H]` f32, `b, c [B,L,G,N]`.
+///
+/// Returns `(y [B,L,H,P] in x's dtype, final_state [B,H,P,N] in opts.state_dtype)`.
+///
+/// On CUDA the intermediates (stage 1's step sizes and the chunk states) go to a scratch buffer
+/// that the calling thread keeps for the stream and reuses on later calls when they need at most
+/// 64 MiB (L = 4096 at B=4, H=8, N=128, bf16 states: 18 MiB); larger ones, and calls made while
+/// the stream is being captured into a CUDA graph, allocate theirs per call.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use mamba2_kernels::{reference, ssd, DtOptions, SsdOptions};
+///
+/// let dev = Device::Cpu;
+/// let (b, l, h, p, g, n) = (1, 50, 4, 8, 2, 16);
+/// let x = Tensor::randn(0f32, 1.0, (b, l, h, p), &dev)?;
+/// let dt = Tensor::randn(0f32, 1.0, (b, l, h), &dev)?;
+/// let a = Tensor::new(&[-0.5f32, -1.0, -2.0, -4.0], &dev)?;
+/// let bm = Tensor::randn(0f32, 1.0, (b, l, g, n), &dev)?;
+/// let cm = Tensor::randn(0f32, 1.0, (b, l, g, n), &dev)?;
+/// let bias = Tensor::zeros(h, DType::F32, &dev)?;
+/// let opts = SsdOptions {
+///     chunk_size: 16,
+///     dt: DtOptions { bias: Some(&bias), softplus: true, limit: (0.0, f32::INFINITY) },
+///     ..Default::default()
+/// };
+/// let (y, last) = ssd(&x, &dt, &a, &bm, &cm, &opts)?;
+/// assert_eq!(y.dims(), &[b, l, h, p]);
+/// assert_eq!(last.dims(), &[b, h, p, n]);
+///
+/// // The chunked form equals the token-by-token recurrence.
+/// let exact = reference::ssd(&x, &dt, &a, &bm, &cm, &opts)?;
+/// let err = (y.to_dtype(DType::F64)? - &exact.y)?.abs()?.max_all()?.to_scalar::<f64>()?;
+/// assert!(err < 1e-4, "{err}");
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn ssd(
+    x: &Tensor,
+    dt: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: &SsdOptions,
+) -> Result<(Tensor, Tensor)> {
+    let op = "ssd";
+    let dims = SsdDims::values(op, x, b)?;
+    check::device(op, "dt", dt, x)?;
+    check::float(op, "dt", dt)?;
+    let bld = [dims.batch, dims.seqlen, dims.nheads];
+    check::shape(op, "dt", dt, &bld, "[B, L, H]")?;
+    check::head_param(op, "a", a, x, dims.nheads)?;
+    dims.like_b(op, "c", c, x)?;
+    opts.dt.check(op, x, dims.nheads)?;
+    check::chunk_size(op, opts.chunk_size)?;
+    check::state_dtype(op, "state_dtype", opts.state_dtype)?;
+    if let Some(d) = opts.d {
+        check::skip_param(op, d, x, dims.nheads, dims.headdim)?;
+    }
+    if let Some(z) = opts.z {
+        dims.like_x(op, "z", z, x)?;
+    }
+    if let Some(s) = opts.initial_state {
+        dims.state(op, "initial_state", s, x)?;
+    }
+    let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
+    let init = opts
+        .initial_state
+        .map(|s| s.to_dtype(opts.state_dtype)?.contiguous())
+        .transpose()?;
+    let op = Ssd {
+        dt: check::rows_view(dt)?,
+        a: a.contiguous()?,
+        dt_bias: contiguous(opts.dt.bias)?,
+        d: contiguous(opts.d)?,
+        z: contiguous(opts.z)?,
+        init,
+        rule: opts.dt.rule(),
+        dims,
+        chunk_size: opts.chunk_size,
+        state_dtype: opts.state_dtype,
+        final_state: Slot::default(),
+    };
+    let y = x
+        .contiguous()?
+        .apply_op3_no_bwd(&b.contiguous()?, &c.contiguous()?, &op)?;
+    let last_shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
+    let last = op.final_state.take("ssd", "final state", last_shape)?;
+    Ok((y, last))
+}
