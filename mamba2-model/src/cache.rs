@@ -24,6 +24,32 @@ pub struct LayerState {
 }
 
 /// The state of every layer for `batch` sequences, and how many tokens they have consumed.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use mamba2_model::{Cache, Config};
+///
+/// let config = Config::from_json(
+///     r#"{"hidden_size": 64, "num_heads": 2, "n_groups": 1, "state_size": 16,
+///         "num_hidden_layers": 3}"#,
+/// )?;
+/// let cache = Cache::new(&config, 2, DType::F32, &Device::Cpu)?;
+/// assert_eq!(cache.layers().len(), 3);
+/// // conv [B, conv_dim, d_conv] with conv_dim = d_inner + 2·ngroups·d_state = 128 + 2·16.
+/// assert_eq!(cache.layers()[0].conv.dims(), [2, 160, 4]);
+/// // ssm [B, nheads, headdim, d_state].
+/// assert_eq!(cache.layers()[0].ssm.dims(), [2, 2, 64, 16]);
+///
+/// // A deep copy evolves on its own; reset zeroes it again.
+/// let mut copy = cache.try_clone()?;
+/// let ones = Tensor::ones((2, 2, 64, 16), DType::F32, &Device::Cpu)?;
+/// copy.layers()[0].ssm.slice_set(&ones, 0, 0)?;
+/// let total = |c: &Cache| c.layers()[0].ssm.sum_all()?.to_scalar::<f32>();
+/// assert_eq!((total(&cache)?, total(&copy)?), (0.0, 4096.0));
+/// copy.reset()?;
+/// assert_eq!(total(&copy)?, 0.0);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Cache {
     layers: Vec<LayerState>,

@@ -34,6 +34,25 @@ enum Store {
 
 /// A checkpoint on disk: the tensor store, the file that errors quote, and the names read so far.
 /// Clones share all three.
+///
+/// ```
+/// use candle_core::{DType, Device};
+/// use mamba2_model::Checkpoint;
+///
+/// // The shipped model's four shards, found through their index.
+/// let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../weights");
+/// let checkpoint = Checkpoint::open(dir)?;
+/// assert!(checkpoint.source().ends_with("model.safetensors.index.json (4 shards)"));
+/// let vb = checkpoint.var_builder(DType::F16, &Device::Cpu);
+/// // A wrong shape is refused before any data is read; a right one is read and converted.
+/// assert!(vb.get((8192, 385), "backbone.embeddings.weight").is_err());
+/// let embedding = vb.get((8192, 384), "backbone.embeddings.weight")?;
+/// assert_eq!(embedding.dtype(), DType::F16);
+/// let unread = checkpoint.unread()?;
+/// assert_eq!(unread.len(), checkpoint.names().len() - 1);
+/// assert!(!unread.iter().any(|n| n == "backbone.embeddings.weight"));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Checkpoint(Arc<Inner>);
 

@@ -94,6 +94,34 @@ pub fn eos_token_ids(config: &Config, tokenizer: &Tokenizer) -> Vec<u32> {
 }
 
 /// Generates text from a model and its tokenizer (batch 1).
+///
+/// Greedy decoding of a few tokens with the shipped model (`weights/`); the pieces streamed to
+/// the callback add up to the returned text:
+///
+/// ```
+/// use candle_core::{DType, Device};
+/// use mamba2_model::{load_tokenizer, GenerationConfig, Generator, Model, StopReason};
+///
+/// let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../weights");
+/// let model = Model::load(dir, DType::F32, &Device::Cpu)?;
+/// let tokenizer = load_tokenizer(format!("{dir}/tokenizer.json"))?;
+/// // The default sampling is greedy; no EOS tokens, so exactly max_new_tokens come out.
+/// let config = GenerationConfig { max_new_tokens: 6, ..Default::default() };
+/// let generator = Generator::new(&model, &tokenizer, config)?;
+///
+/// let mut streamed = String::new();
+/// let generation = generator.generate("It was a dark and stormy night", |piece| {
+///     streamed.push_str(piece);
+///     Ok(())
+/// })?;
+/// assert_eq!(generation.tokens.len(), 6);
+/// assert_eq!(generation.stop, StopReason::MaxNewTokens);
+/// assert_eq!(streamed, generation.text);
+/// // Greedy decoding is deterministic.
+/// let again = generator.generate("It was a dark and stormy night", |_| Ok(()))?;
+/// assert_eq!(again.tokens, generation.tokens);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 pub struct Generator<'a> {
     model: &'a Model,
     tokenizer: &'a Tokenizer,

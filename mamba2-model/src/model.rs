@@ -38,6 +38,31 @@ struct Block {
 }
 
 /// A Mamba-2 language model with its weights on one device in one dtype.
+///
+/// A prompt prefilled and then continued by a decode step gives the logits of one pass over the
+/// whole sequence; here with the small model shipped in the repository's `weights/`:
+///
+/// ```
+/// use candle_core::{DType, Device, IndexOp, Tensor};
+/// use mamba2_model::Model;
+///
+/// let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../weights");
+/// let model = Model::load(dir, DType::F32, &Device::Cpu)?;
+/// let ids = Tensor::new(&[[5u32, 17, 260, 31]], model.device())?;
+///
+/// // Every position at once: logits [B, L, V].
+/// let all = model.forward(&ids, &mut model.new_cache(1)?)?;
+/// assert_eq!(all.dims(), [1, 4, model.config().vocab_size]);
+///
+/// // The first three tokens as the prompt, then the fourth as one decode step.
+/// let mut cache = model.new_cache(1)?;
+/// model.prefill(&ids.i((.., ..3))?, &mut cache)?;
+/// let next = model.step(&ids.i((.., 3))?, &mut cache)?;
+/// assert_eq!(cache.tokens(), 4);
+/// let diff: f32 = (next - all.i((.., 3))?)?.abs()?.max_all()?.to_scalar()?;
+/// assert!(diff < 1e-3, "decode departs from the full pass by {diff}");
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Model {
     config: Config,

@@ -70,6 +70,30 @@ impl SamplingParams {
 }
 
 /// Chooses tokens by [`SamplingParams`] with its own seeded random stream.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use mamba2_model::{Sampler, SamplingParams};
+///
+/// let logits = Tensor::new(&[1.0f32, 3.0, 2.0, -1.0], &Device::Cpu)?;
+/// // Greedy (the default): the most likely token.
+/// assert_eq!(Sampler::new(SamplingParams::default())?.sample(&logits, &[])?, 1);
+/// // Token 1 is in the history: a penalty of 4 takes its logit to 3/4 < 2, so token 2 wins.
+/// let penalised = SamplingParams { repetition_penalty: 4.0, ..Default::default() };
+/// assert_eq!(Sampler::new(penalised)?.sample(&logits, &[1])?, 2);
+///
+/// // Top-k 2 keeps tokens 1 and 2 only; the same seed draws the same tokens.
+/// let params = SamplingParams { temperature: 1.0, top_k: Some(2), seed: 7, ..Default::default() };
+/// let draw = |p| -> candle_core::Result<Vec<u32>> {
+///     let mut sampler = Sampler::new(p)?;
+///     (0..32).map(|_| sampler.sample(&logits, &[])).collect()
+/// };
+/// let tokens = draw(params)?;
+/// assert!(tokens.contains(&1) && tokens.contains(&2));
+/// assert!(tokens.iter().all(|&t| t == 1 || t == 2));
+/// assert_eq!(tokens, draw(params)?);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct Sampler {
     params: SamplingParams,
