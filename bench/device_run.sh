@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (see ../shared/gpu/README.md), after `bash bench/pack_gpu.sh` here:
-# SASS check of the kernels, the SSD and model benchmarks, `generate --device cuda`, then the CUDA
-# tests (ssd_cuda a second time on the cp.async path); optionally the shipped model's training
-# alongside the tests.
+# SASS check of the kernels, the SSD benchmark (alternating with a previous build's when
+# `bash bench/pack_gpu.sh --base REV` packed one), the peer's SSD beside it (mamba_ssm's Triton,
+# when .peer/ holds its sources: ../shared/bench/README.md), the model benchmark and
+# `generate --device cuda`, then the CUDA tests (ssd_cuda a second time on the cp.async path);
+# optionally the shipped model's training alongside the tests.
 #   bash bench/device_run.sh [TRAIN_MINUTES]        (default 0: no training)
-# Logs go to $OUT: kernels.log, model.log, tests.log (and train.log with the weights bundle).
+#   ROUNDS=N       rounds of this build's and the previous build's bench_ssd (default 2)
+#   BENCH_MODEL=0  skips bench_model and generate;  PEER_BWD=1 times the peer's backward too
+# Logs go to $OUT: kernels.log, peer.log, model.log, tests.log (and train.log with the weights
+# bundle).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 minutes=${1:-0}
@@ -14,12 +19,37 @@ source .gpu/unpack.sh
   for f in .gpu/fatbin/*.fatbin; do
     echo "$f: $(cuobjdump --dump-sass "$f" 2>/dev/null | grep -oE '\b(HMMA|HGMMA)[.A-Z0-9]*' | sort | uniq -c | tr '\n' ' ')"
   done
-  echo "== bench_ssd --cuda"
-  [[ -x .gpu/bench_ssd || -e .gpu/bench_ssd.xz ]] && timeout 200 .gpu/bench_ssd --cuda 2>&1
-  echo "bench_ssd rc=$?"
+  if [[ -x .gpu/bench_ssd_base ]]; then
+    for r in $(seq "${ROUNDS:-2}"); do
+      for b in bench_ssd bench_ssd_base; do
+        echo "== $b --cuda --gpu-reps 100 (round $r)"
+        timeout 200 ".gpu/$b" --cuda --gpu-reps 100 2>&1
+        echo "$b rc=$?"
+      done
+    done
+  elif [[ -x .gpu/bench_ssd ]]; then
+    echo "== bench_ssd --cuda"
+    timeout 200 .gpu/bench_ssd --cuda 2>&1
+    echo "bench_ssd rc=$?"
+  fi
 } > "$OUT/kernels.log" 2>&1
 cat "$OUT/kernels.log"
-if [[ -x .gpu/bench_model ]]; then
+if [[ -e .peer/ssd_peers_bwd.py ]]; then
+  {
+    mkdir -p /tmp/ms && tar -C /tmp/ms -xJf .peer/mamba_src.tar.xz
+    echo "== mamba_ssm $(grep -o '"[0-9.a-z]*"' /tmp/ms/mamba_ssm/__init__.py | head -1) Triton SSD"
+    peer=.peer/ssd_peers_bwd.py
+    if [[ ${PEER_BWD:-0} != 1 ]]; then
+      # The forward alone: the backward columns print as nan.
+      sed 's/r += bench(fb)/r += (float("nan"),) * 2/' "$peer" > /tmp/ssd_peers_fwd.py
+      peer=/tmp/ssd_peers_fwd.py
+    fi
+    MAMBA_SRC=/tmp/ms PYTHONUNBUFFERED=1 timeout 300 python3 "$peer" 2>&1
+    echo "peer rc=$?"
+  } > "$OUT/peer.log" 2>&1
+  cat "$OUT/peer.log"
+fi
+if [[ -x .gpu/bench_model && ${BENCH_MODEL:-1} != 0 ]]; then
   {
     echo "== bench_model: prefill (all models), then decode one model per process"
     timeout 200 .gpu/bench_model --decode "" --peer 130m:1x2048,780m:1x2048 2>&1

@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Builds the CUDA test and example binaries here and packs them into .gpu/ for bench/device_run.sh
-# (../shared/gpu/pack.sh strips and compresses; the fatbins are copied for the SASS check).
-#   bash bench/pack_gpu.sh
+# (../shared/gpu/pack.sh strips and compresses; the fatbins are copied for the SASS check). With
+# --base REV it also builds bench_ssd at commit REV (in a worktree, with a target dir of its own:
+# cargo keys a workspace's artifacts by paths relative to it, so two checkouts sharing one target
+# dir would take each other's builds as fresh) and packs it as bench_ssd_base, which
+# device_run.sh alternates with this build's.
+#   bash bench/pack_gpu.sh [--base REV]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+base=
+[[ ${1:-} == --base ]] && base=$2
 source <(bash ../shared/gpu/cuda-toolkit.sh --env)
+target=${CARGO_TARGET_DIR:-$PWD/target}
 tests=(ssd_cuda ssd_errors model_cuda)
 examples=(bench_ssd bench_model generate)
 json=$(cargo build --release --features cuda --tests --examples --message-format=json)
@@ -32,4 +39,17 @@ for l in sys.stdin:
     except ValueError: continue
     if m.get("reason") == "build-script-executed" and "mamba2-kernels" in m.get("package_id", ""): print(m["out_dir"])' <<< "$json" | tail -1)
 cp "$out"/*.fatbin .gpu/fatbin/
+if [[ -n $base ]]; then
+  tree=$(mktemp -d)/base
+  git worktree add --detach "$tree" "$base" >/dev/null
+  bin=$(cd "$tree" && CARGO_TARGET_DIR=$target-base \
+    cargo build --release --features cuda --example bench_ssd --message-format=json \
+    | python3 -c 'import sys, json
+for l in sys.stdin:
+    try: m = json.loads(l)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
+  strip -o .gpu/bench_ssd_base "$bin" && xz -T0 -6 -f .gpu/bench_ssd_base
+  git worktree remove --force "$tree"
+fi
 ls -la .gpu .gpu/fatbin; du -sh .gpu
