@@ -255,6 +255,22 @@ pub fn causal_conv1d(
 /// [`causal_conv1d`] with its output cut by channels into `split` (1 to 3 counts summing to D):
 /// returns the pieces `[B,L,split[i]]`, each contiguous, as the mixer wants x, B and C.
 /// On CUDA the rows of x may be a slice of a wider tensor (read in place).
+///
+/// ```
+/// use candle_core::{Device, Tensor, D};
+/// use mamba2_kernels::{causal_conv1d, causal_conv1d_split, ConvOptions};
+///
+/// let dev = Device::Cpu;
+/// let xbc = Tensor::randn(0f32, 1.0, (1, 7, 10), &dev)?; // x | B | C of 6 + 2 + 2 channels
+/// let w = Tensor::randn(0f32, 1.0, (10, 4), &dev)?;
+/// let opts = ConvOptions { bias: None, silu: true };
+/// let (pieces, _) = causal_conv1d_split(&xbc, &w, None, &opts, &[6, 2, 2])?;
+/// let (whole, _) = causal_conv1d(&xbc, &w, None, &opts)?;
+/// assert_eq!(pieces[1].dims(), &[1, 7, 2]);
+/// let joined = Tensor::cat(&pieces, D::Minus1)?;
+/// assert_eq!(joined.to_vec3::<f32>()?, whole.to_vec3::<f32>()?);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 pub fn causal_conv1d_split(
     x: &Tensor,
     weight: &Tensor,
@@ -337,6 +353,23 @@ pub fn causal_conv1d_step(
 
 /// [`causal_conv1d_step`] with its output cut by channels into `split` (1 to 3 counts summing to
 /// D): returns the contiguous pieces `[B,split[i]]`. On CUDA the row of x may be a slice.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use mamba2_kernels::{causal_conv1d_step_split, ConvOptions};
+///
+/// let dev = Device::Cpu;
+/// let state = Tensor::zeros((2, 5, 3), DType::F32, &dev)?; // [B, D, K]
+/// let w = Tensor::ones((5, 3), DType::F32, &dev)?;
+/// let x = Tensor::new(&[[1f32, 2.0, 3.0, 4.0, 5.0], [6.0, 7.0, 8.0, 9.0, 10.0]], &dev)?;
+/// let pieces = causal_conv1d_step_split(&state, &x, &w, &ConvOptions::default(), &[3, 2])?;
+/// // From a zero state, all-ones taps give back the token itself.
+/// assert_eq!(pieces[0].to_vec2::<f32>()?, [[1.0, 2.0, 3.0], [6.0, 7.0, 8.0]]);
+/// assert_eq!(pieces[1].to_vec2::<f32>()?, [[4.0, 5.0], [9.0, 10.0]]);
+/// // The state now ends with the token.
+/// assert_eq!(state.narrow(2, 2, 1)?.squeeze(2)?.to_vec2::<f32>()?, x.to_vec2::<f32>()?);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 pub fn causal_conv1d_step_split(
     state: &Tensor,
     x: &Tensor,
