@@ -390,7 +390,7 @@ fn norm_inputs_are_checked() -> Result<()> {
     );
     expect_err(
         gated_rms_norm(&x, &x, &w, 8, f64::NAN),
-        "gated_rms_norm: eps must be finite and >= 0",
+        "gated_rms_norm: eps must be finite and in [0, 1]",
     );
     expect_err(
         gated_rms_norm(&x.i((.., ..0))?, &x.i((.., ..0))?, &w.i(..0)?, 8, 1e-5),

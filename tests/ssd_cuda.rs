@@ -451,3 +451,50 @@ fn ssd_matches_its_stages_on_small_and_large_grids() -> Result<()> {
     }
     Ok(())
 }
+
+/// Sizes past the launch limits get errors before any kernel runs on them — a chunk past the cap,
+/// a grid past CUDA's 65,535 programs along y, a conv longer than its grid allows — and the same
+/// process then runs correct kernels: nothing poisoned the context.
+#[test]
+fn launches_past_the_limits_are_refused_and_the_context_lives() -> Result<()> {
+    let dev = gpu();
+    let pb = Problem::new(
+        &spec(100, 4, 2, 16, 16, 32, DType::BF16),
+        &mut Rng::new(9000),
+        &Device::Cpu,
+    )?
+    .to_device(&dev)?;
+    let opts = k::SsdOptions {
+        chunk_size: 1 << 30,
+        ..pb.options()
+    };
+    common::expect_err(
+        k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &opts),
+        "chunk_size must be a power of two from 16 to",
+    );
+    // 65,536 (batch, head) pairs: the f32 state pass puts them along the grid's y axis.
+    let heads = 65_536;
+    let x = Tensor::zeros((1, 16, heads, 1), DType::F32, &dev)?;
+    let dt = Tensor::zeros((1, 16, heads), DType::F32, &dev)?;
+    let a = Tensor::zeros(heads, DType::F32, &dev)?;
+    let bm = Tensor::zeros((1, 16, 1, 1), DType::F32, &dev)?;
+    let small = k::SsdOptions {
+        chunk_size: 16,
+        ..Default::default()
+    };
+    common::expect_err(
+        k::ssd(&x, &dt, &a, &bm, &bm, &small),
+        "65536 programs along the grid's y axis, outside 1..=65535",
+    );
+    // 2²¹ + 32 tokens: the conv's 32-token programs along y pass 65,535.
+    let xc = Tensor::zeros((1, (1 << 21) + 32, 1), DType::BF16, &dev)?;
+    let w = Tensor::zeros((1, 4), DType::BF16, &dev)?;
+    common::expect_err(
+        k::causal_conv1d(&xc, &w, None, &k::ConvOptions::default()),
+        "programs along the grid's y axis",
+    );
+    dev.synchronize()?;
+    // The context still runs the kernels correctly.
+    check(&spec(300, 4, 2, 64, 64, 128, DType::BF16), 9001)?;
+    Ok(())
+}

@@ -156,12 +156,12 @@ fn bad_chunk_size_is_named() {
         };
         expect_err(
             k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &opts),
-            &format!("ssd: chunk_size must be a power of two >= 16, got {chunk}"),
+            &format!("ssd: chunk_size must be a power of two from 16 to 2048, got {chunk}"),
         );
     }
     expect_err(
         k::chunk_cumsum(&pb.dt, &pb.a, &pb.dt_options(), 0),
-        "chunk_cumsum: chunk_size must be a power of two >= 16, got 0",
+        "chunk_cumsum: chunk_size must be a power of two from 16 to 2048, got 0",
     );
 }
 
@@ -172,7 +172,7 @@ fn bad_dt_limit_is_named() {
     opts.dt.limit = (1.0, 0.5);
     expect_err(
         k::ssd(&pb.x, &pb.dt, &pb.a, &pb.b, &pb.c, &opts),
-        "ssd: dt_limit must be (lo, hi) with lo <= hi, got (1, 0.5)",
+        "ssd: dt_limit must be (lo, hi) with 0 <= lo <= hi, lo finite, got (1, 0.5)",
     );
 }
 

@@ -92,8 +92,36 @@ impl SsdDims {
                 self.ngroups
             )
         }
-        if self.nheads == 0 || self.headdim == 0 || self.dstate == 0 || self.batch == 0 {
+        if self.nheads == 0
+            || self.headdim == 0
+            || self.dstate == 0
+            || self.batch == 0
+            || self.seqlen == 0
+        {
             bail!("{op}: empty dimension in {self:?}")
+        }
+        Ok(())
+    }
+
+    /// Checks `chunk_size` ([`chunk_size`]) and that the chunk states `[B,H,C+1,P,N]` and stage 1's
+    /// `[2,B,H,L]` have element counts that fit in memory sizes; the element counts of `x` and
+    /// `b`, which exist, bound everything else the ops allocate.
+    pub fn check_chunking(&self, op: &str, chunk: usize) -> Result<()> {
+        chunk_size(op, chunk)?;
+        let states = [
+            self.nheads,
+            self.nchunks(chunk) + 1,
+            self.headdim,
+            self.dstate,
+        ];
+        let steps = [2, self.nheads, self.seqlen];
+        for (what, factors) in [("chunk states", &states[..]), ("step sizes", &steps[..])] {
+            let count = factors
+                .iter()
+                .try_fold(self.batch, |acc, &f| acc.checked_mul(f));
+            if count.is_none_or(|n| n > isize::MAX as usize / 4) {
+                bail!("{op}: the {what} of {self:?} at chunk {chunk} have too many elements")
+            }
         }
         Ok(())
     }
@@ -121,20 +149,37 @@ pub(crate) struct ConvDims {
     pub width: usize,
 }
 
-/// The dims of `t`, which must have rank `R`; `doc` names the expected layout.
+/// The largest dimension the ops take: the CUDA kernels index in i32, and both backends take the
+/// same problems.
+pub const MAX_DIM: usize = i32::MAX as usize;
+
+/// Checks that every dimension of `t` is at most [`MAX_DIM`].
+fn dims_fit(op: &str, name: &str, t: &Tensor) -> Result<()> {
+    if let Some(d) = t.dims().iter().find(|&&d| d > MAX_DIM) {
+        bail!(
+            "{op}: {name} has a dimension of {d}, over the limit of {MAX_DIM}, shape {:?}",
+            t.dims()
+        )
+    }
+    Ok(())
+}
+
+/// The dims of `t`, which must have rank `R` and dimensions of at most [`MAX_DIM`]; `doc` names
+/// the expected layout.
 pub(crate) fn rank<const R: usize>(
     op: &str,
     name: &str,
     t: &Tensor,
     doc: &str,
 ) -> Result<[usize; R]> {
-    match <[usize; R]>::try_from(t.dims()) {
-        Ok(dims) => Ok(dims),
-        Err(_) => bail!(
+    let Ok(dims) = <[usize; R]>::try_from(t.dims()) else {
+        bail!(
             "{op}: {name} must have rank {R} {doc}, got shape {:?}",
             t.dims()
-        ),
-    }
+        )
+    };
+    dims_fit(op, name, t)?;
+    Ok(dims)
 }
 
 /// Checks that `t` has exactly the shape `expected`; `doc` names the layout.
@@ -196,10 +241,18 @@ pub(crate) fn state_dtype(op: &str, name: &str, dt: DType) -> Result<()> {
     }
 }
 
-/// Checks that `chunk_size` is a power of two of at least 16.
+/// The longest chunk the SSD ops take. Results of `ssd` do not depend on the chunk length, and the
+/// kernels' tensor-core paths stop at 512 (state pass) and 256 (compute_out): a longer chunk only
+/// grows the per-chunk buffers (shared memory on CUDA, `chunk²` and `chunk·N` floats per task on
+/// the CPU).
+pub const MAX_CHUNK_SIZE: usize = 2048;
+
+/// Checks that `chunk_size` is a power of two from 16 to [`MAX_CHUNK_SIZE`].
 pub(crate) fn chunk_size(op: &str, chunk_size: usize) -> Result<()> {
-    if chunk_size < 16 || !chunk_size.is_power_of_two() {
-        bail!("{op}: chunk_size must be a power of two >= 16, got {chunk_size}")
+    if chunk_size < 16 || !chunk_size.is_power_of_two() || chunk_size > MAX_CHUNK_SIZE {
+        bail!(
+            "{op}: chunk_size must be a power of two from 16 to {MAX_CHUNK_SIZE}, got {chunk_size}"
+        )
     }
     Ok(())
 }
@@ -239,6 +292,7 @@ pub(crate) fn skip_param(
 /// The size of the last (channel) dimension of `t`, which must have rank ≥ 1 and no empty
 /// dimension.
 pub(crate) fn last_dim(op: &str, name: &str, t: &Tensor) -> Result<usize> {
+    dims_fit(op, name, t)?;
     match t.dims().last() {
         Some(&d) if t.elem_count() > 0 => Ok(d),
         _ => bail!(
@@ -248,10 +302,11 @@ pub(crate) fn last_dim(op: &str, name: &str, t: &Tensor) -> Result<usize> {
     }
 }
 
-/// Checks a norm epsilon: finite and non-negative.
+/// Checks a norm epsilon: finite, from 0 to 1 (an epsilon is a guard against dividing by zero;
+/// larger ones swamp the mean square of any normalised row).
 pub(crate) fn eps(op: &str, eps: f64) -> Result<()> {
-    if !eps.is_finite() || eps < 0.0 {
-        bail!("{op}: eps must be finite and >= 0, got {eps}")
+    if !(0.0..=1.0).contains(&eps) {
+        bail!("{op}: eps must be finite and in [0, 1], got {eps}")
     }
     Ok(())
 }
@@ -307,6 +362,10 @@ mod tests {
         for bad in [0, 8, 24, 100] {
             let err = chunk_size("op", bad).unwrap_err().to_string();
             assert!(err.contains("power of two"), "{err}");
+        }
+        for bad in [4096, 1 << 30] {
+            let err = chunk_size("op", bad).unwrap_err().to_string();
+            assert!(err.contains("to 2048"), "{err}");
         }
     }
 

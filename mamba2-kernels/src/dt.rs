@@ -44,8 +44,9 @@ impl DtOptions<'_> {
             check::head_param(op, "dt_bias", bias, x, nheads)?;
         }
         let (lo, hi) = self.limit;
-        if lo.is_nan() || hi.is_nan() || lo > hi {
-            bail!("{op}: dt_limit must be (lo, hi) with lo <= hi, got ({lo}, {hi})")
+        // A step size is finite and non-negative; an infinite upper limit leaves it unclamped.
+        if !lo.is_finite() || lo < 0.0 || hi.is_nan() || lo > hi {
+            bail!("{op}: dt_limit must be (lo, hi) with 0 <= lo <= hi, lo finite, got ({lo}, {hi})")
         }
         Ok(())
     }

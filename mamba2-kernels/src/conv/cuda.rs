@@ -123,15 +123,11 @@ pub(super) fn causal_conv1d(
         IMAGE,
         &instances::causal_conv1d(ty(op, x_s.dtype())?),
     )?;
-    let grid = (
-        d.dim.div_ceil(THREADS) as u32,
-        d.seqlen.div_ceil(TOKENS) as u32,
-        d.batch as u32,
-    );
+    let grid = [d.dim.div_ceil(THREADS), d.seqlen.div_ceil(TOKENS), d.batch];
     launch(
         &stream,
         &f,
-        cfg(grid, (THREADS as u32, 1, 1), 0),
+        cfg(op, &stream, grid, [THREADS, 1, 1], 0)?,
         &[&x_p, &w_p, &bias_p, &st_p, &so_p, &params],
     )?;
     written(&mut st_out, &stream)?;
@@ -169,10 +165,12 @@ pub(super) fn causal_conv1d_step(
         &stream,
         &f,
         cfg(
-            (d.dim.div_ceil(THREADS) as u32, d.batch as u32, 1),
-            (THREADS as u32, 1, 1),
+            op,
+            &stream,
+            [d.dim.div_ceil(THREADS), d.batch, 1],
+            [THREADS, 1, 1],
             0,
-        ),
+        )?,
         &[&st_p, &x_p, &w_p, &bias_p, &params],
     )?;
     drop(g3);

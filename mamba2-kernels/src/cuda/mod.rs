@@ -105,7 +105,7 @@ pub(crate) fn function(stream: &Arc<CudaStream>, image: Image, name: &str) -> Re
     };
     let f = module.load_function(name).w()?;
     // The dynamic limit is what the opt-in maximum leaves beside the kernel's static memory.
-    let max_dynamic = device_max_smem(ctx)? as i32
+    let max_dynamic = i(device_max_smem(ctx)?)?
         - f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
             .w()?;
     f.set_attribute(
@@ -458,14 +458,49 @@ impl<T: DeviceRepr> Arg for T {
     }
 }
 
-pub(crate) fn cfg(grid: (u32, u32, u32), block: (u32, u32, u32), smem: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: grid,
-        block_dim: block,
-        shared_mem_bytes: smem as u32,
+/// The CUDA grid's limits: up to 2³¹ − 1 programs along x, 65,535 along y and z.
+const GRID_LIMITS: [usize; 3] = [i32::MAX as usize, 65_535, 65_535];
+/// Threads per program at most.
+const MAX_THREADS: usize = 1024;
+
+/// The launch of `grid` programs of `block` threads with `smem` bytes of dynamic shared memory,
+/// checked against the grid's limits, [`MAX_THREADS`] and the device's shared memory per program:
+/// past them a launch fails, or runs on stale memory where a size would have wrapped into range.
+pub(crate) fn cfg(
+    op: &str,
+    stream: &Arc<CudaStream>,
+    grid: [usize; 3],
+    block: [usize; 3],
+    smem: usize,
+) -> Result<LaunchConfig> {
+    for (axis, (&n, &limit)) in ["x", "y", "z"].iter().zip(grid.iter().zip(&GRID_LIMITS)) {
+        if n == 0 || n > limit {
+            bail!("{op}: {n} programs along the grid's {axis} axis, outside 1..={limit}: the problem is too large for one launch")
+        }
     }
+    let threads = block.iter().product::<usize>();
+    if threads == 0 || threads > MAX_THREADS {
+        bail!("{op}: {threads} threads per program, outside 1..={MAX_THREADS}")
+    }
+    let max = max_smem(stream)?;
+    if smem > max {
+        bail!("{op}: {smem} bytes of shared memory per program, over the device's {max}")
+    }
+    let u = |v: usize| {
+        u32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("{op}: {v} exceeds u32")))
+    };
+    Ok(LaunchConfig {
+        grid_dim: (u(grid[0])?, u(grid[1])?, u(grid[2])?),
+        block_dim: (u(block[0])?, u(block[1])?, u(block[2])?),
+        shared_mem_bytes: u(smem)?,
+    })
 }
 
 pub(crate) fn i(v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("dimension {v} exceeds i32")))
+    i32::try_from(v).map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "dimension {v} exceeds the kernels' i32 index space ({})",
+            i32::MAX
+        ))
+    })
 }

@@ -48,11 +48,7 @@ pub(super) fn matvec(
     let cols = plan::cols_per_program(per_program, n, sm_count(&stream)?);
     let kernel = instances::matvec(ty(name, x_s.dtype())?, per_program, cols, vec);
     let f = function(&stream, IMAGE, &kernel)?;
-    let grid = (
-        n.div_ceil(cols) as u32,
-        rows.div_ceil(per_program) as u32,
-        1,
-    );
+    let grid = [n.div_ceil(cols), rows.div_ceil(per_program), 1];
     let params = MatvecParams {
         rows: i(rows)?,
         k: i(k)?,
@@ -61,7 +57,7 @@ pub(super) fn matvec(
     launch(
         &stream,
         &f,
-        cfg(grid, (32 * plan::WARPS as u32, 1, 1), 0),
+        cfg(name, &stream, grid, [32 * plan::WARPS, 1, 1], 0)?,
         &[&x_p, &w_p, &bias_p, &y_p, &params],
     )?;
     written(&mut y, &stream)?;

@@ -16,7 +16,7 @@ mod cuda;
 mod plan;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use crate::check;
 use crate::cpu::{f32_view, from_f32, small_f32};
@@ -79,8 +79,15 @@ impl CustomOp2 for Matvec {
 /// ```
 pub fn matvec(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let op = "matvec";
-    let [_, k] = check::rank::<2>(op, "x", x, "[R, K]")?;
+    let [rows, k] = check::rank::<2>(op, "x", x, "[R, K]")?;
     let [n, _] = check::rank::<2>(op, "w", w, "[N, K]")?;
+    if rows == 0 || k == 0 || n == 0 {
+        bail!(
+            "{op}: empty dimension: x has shape {:?}, w {:?}",
+            x.dims(),
+            w.dims()
+        )
+    }
     check::float(op, "x", x)?;
     check::device(op, "w", w, x)?;
     check::same_dtype(op, "w", w, x)?;

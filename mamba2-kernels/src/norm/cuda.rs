@@ -65,11 +65,11 @@ pub(super) fn gated_rms_norm(
         group: i(group)?,
         eps,
     };
-    let grid = (rows as u32, (dim / group) as u32, 1);
+    let grid = [rows, dim / group, 1];
     launch(
         &stream,
         &f,
-        cfg(grid, (threads, 1, 1), 0),
+        cfg(op, &stream, grid, [threads, 1, 1], 0)?,
         &[&x_p, &z_p, &w_p, &y_p, &params],
     )?;
     written(&mut y, &stream)?;
@@ -117,7 +117,7 @@ pub(super) fn add_rms_norm(
     launch(
         &stream,
         &f,
-        cfg((rows as u32, 1, 1), (threads, 1, 1), 0),
+        cfg(op, &stream, [rows, 1, 1], [threads, 1, 1], 0)?,
         &[&x_p, &res_p, &w_p, &y_p, &ro_p, &params],
     )?;
     written(&mut y, &stream)?;

@@ -10,7 +10,7 @@ const PER_THREAD: usize = 8;
 /// Threads per row program and the kernel variant: `Vec` (8 consecutive values per thread in
 /// registers, 16-byte accesses) when the rows allow it (`aligned`, a length that is a multiple of
 /// 8), else `Reg` (8 strided values per thread) for rows up to 1024·8 values, `Loop` beyond.
-pub(super) fn row_program(len: usize, aligned: bool) -> (u32, RowKind) {
+pub(super) fn row_program(len: usize, aligned: bool) -> (usize, RowKind) {
     let threads = (len.div_ceil(PER_THREAD).div_ceil(32) * 32).clamp(32, 1024);
     let in_registers = len <= threads * PER_THREAD;
     let kind = match (in_registers, aligned && len % PER_THREAD == 0) {
@@ -18,7 +18,7 @@ pub(super) fn row_program(len: usize, aligned: bool) -> (u32, RowKind) {
         (true, false) => RowKind::Reg,
         (false, _) => RowKind::Loop,
     };
-    (threads as u32, kind)
+    (threads, kind)
 }
 
 #[cfg(test)]

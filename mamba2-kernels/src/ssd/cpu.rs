@@ -69,7 +69,7 @@ pub(super) fn chunk_states(
             if let Some(init) = init {
                 st[..pn].copy_from_slice(&init[bh * pn..(bh + 1) * pn]);
             }
-            let mut w = vec![0f32; t * dstate];
+            let mut w = vec![0f32; t.min(seqlen) * dstate];
             for c in 0..nchunks {
                 let l0 = c * t;
                 let tc = t.min(seqlen - l0);

@@ -240,7 +240,7 @@ pub fn ssd(
     check::head_param(op, "a", a, x, dims.nheads)?;
     dims.like_b(op, "c", c, x)?;
     opts.dt.check(op, x, dims.nheads)?;
-    check::chunk_size(op, opts.chunk_size)?;
+    dims.check_chunking(op, opts.chunk_size)?;
     check::state_dtype(op, "state_dtype", opts.state_dtype)?;
     if let Some(d) = opts.d {
         check::skip_param(op, d, x, dims.nheads, dims.headdim)?;

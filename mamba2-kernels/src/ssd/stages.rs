@@ -2,7 +2,7 @@
 //! intermediates: [`chunk_cumsum`] → [`fwd_pass_state`] → [`compute_out`] gives what `ssd` gives.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::cpu;
 #[cfg(feature = "cuda")]
@@ -85,7 +85,10 @@ pub fn chunk_cumsum(
     chunk_size: usize,
 ) -> Result<(Tensor, Tensor)> {
     let op = "chunk_cumsum";
-    let [_, _, nheads] = check::rank::<3>(op, "dt", dt, "[B, L, H]")?;
+    let [batch, seqlen, nheads] = check::rank::<3>(op, "dt", dt, "[B, L, H]")?;
+    if batch == 0 || seqlen == 0 || nheads == 0 {
+        bail!("{op}: dt has an empty dimension, shape {:?}", dt.dims())
+    }
     check::float(op, "dt", dt)?;
     check::head_param(op, "a", a, dt, nheads)?;
     opts.check(op, dt, nheads)?;
@@ -205,7 +208,7 @@ pub fn fwd_pass_state(
     if let Some(s) = init_state {
         dims.state(op, "init_state", s, x)?;
     }
-    check::chunk_size(op, chunk_size)?;
+    dims.check_chunking(op, chunk_size)?;
     check::state_dtype(op, "state_dtype", state_dtype)?;
     let stage = FwdPassState {
         da_cumsum: da_cumsum.contiguous()?,
@@ -344,7 +347,7 @@ pub fn compute_out(
     dims.like_b(op, "c", c, x)?;
     dims.per_token(op, "dt_out", dt_out, x)?;
     dims.per_token(op, "da_cumsum", da_cumsum, x)?;
-    check::chunk_size(op, chunk_size)?;
+    dims.check_chunking(op, chunk_size)?;
     check::device(op, "states", states, x)?;
     let (h, p, n) = (dims.nheads, dims.headdim, dims.dstate);
     let want = [dims.batch, h, dims.nchunks(chunk_size) + 1, p, n];

@@ -126,11 +126,7 @@ pub(super) fn ssd_step(
     launch(
         &stream,
         &f,
-        cfg(
-            (heads as u32, row_blocks as u32, 1),
-            (32 * warps as u32, 1, 1),
-            0,
-        ),
+        cfg(name, &stream, [heads, row_blocks, 1], [32 * warps, 1, 1], 0)?,
         &[
             &st_p, &x_p, &dt_p, &a_p, &bias_p, &b_p, &c_p, &d_p, &z_p, &y_p, &sp,
         ],

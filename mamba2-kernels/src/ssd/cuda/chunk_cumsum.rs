@@ -20,11 +20,10 @@ pub(super) fn launch_stage1(
     stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let f = function(stream, IMAGE, &instances::chunk_cumsum(t))?;
-    let warps = p.nheads.min(8) as u32;
-    let grid = (
-        p.nchunks as u32,
-        p.batch as u32,
-        (p.nheads as u32).div_ceil(warps),
-    );
-    launch(stream, &f, cfg(grid, (32, warps, 1), 0), &[steps, p])
+    // The dimensions came in as usize, checked into i32.
+    let (nchunks, batch, nheads) = (p.nchunks as usize, p.batch as usize, p.nheads as usize);
+    let warps = nheads.min(8);
+    let grid = [nchunks, batch, nheads.div_ceil(warps)];
+    let cfg = cfg("chunk_cumsum", stream, grid, [32, warps, 1], 0)?;
+    launch(stream, &f, cfg, &[steps, p])
 }

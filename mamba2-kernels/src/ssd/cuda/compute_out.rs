@@ -74,11 +74,12 @@ pub(super) fn out_pass(
     });
     if let Some((n, ptile, hb, smem)) = plan {
         kp.heads_per_block = i(hb)?;
-        let grid = (nchunks as u32, (d.nheads / hb) as u32, d.batch as u32);
+        let grid = [nchunks, d.nheads / hb, d.batch];
+        let cfg = cfg(name, stream, grid, [2 * chunk, 1, 1], smem)?;
         // With states of the value type, the unit tiles come by tensor map (the states as rows
-        // of N), and step 0's c and b tiles too.
-        let maps = if has_tma(stream)? && st == vt {
-            let rows = d.batch * d.nheads * (nchunks + 1) * d.headdim;
+        // of N, addressed by an i32 row), and step 0's c and b tiles too.
+        let rows = d.batch * d.nheads * (nchunks + 1) * d.headdim;
+        let maps = if has_tma(stream)? && st == vt && i32::try_from(rows).is_ok() {
             let (bl, hp, gn) = ([d.batch, d.seqlen], d.nheads * d.headdim, d.ngroups * n);
             let tx = tokens(p.x, vt, [bl[0], bl[1], hp], ptile, chunk)?;
             let th = tensor_map_3d(
@@ -109,14 +110,14 @@ pub(super) fn out_pass(
             ),
         };
         let f = function(stream, IMAGE, &kernel)?;
-        return launch(stream, &f, cfg(grid, (2 * chunk as u32, 1, 1), smem), &args);
+        return launch(stream, &f, cfg, &args);
     }
     let f = function(stream, IMAGE, &instances::compute_out_simt(t, s))?;
-    let grid = (nchunks as u32, (d.batch * d.nheads) as u32, 1);
+    let grid = [nchunks, d.batch * d.nheads, 1];
     launch(
         stream,
         &f,
-        cfg(grid, (256, 1, 1), 16 * chunk * 4),
+        cfg(name, stream, grid, [256, 1, 1], 16 * chunk * 4)?,
         &[
             &p.x, &p.b, &p.c, &p.dt, &p.da, &p.states, &p.d, &p.z, &p.y, &kp,
         ],

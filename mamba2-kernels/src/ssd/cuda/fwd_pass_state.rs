@@ -55,7 +55,7 @@ pub(super) fn state_pass(
     let nchunks = d.nchunks(chunk);
     let mut kp = SsdParams::new(d, chunk)?;
     let (t, s) = (ty(name, vt)?, ty(name, st)?);
-    let bh = (d.batch * d.nheads) as u32;
+    let bh = d.batch * d.nheads;
     let max = max_smem(stream)?;
     let aligned = [p.x, p.b, p.init].iter().all(|a| a % 16 == 0);
     let Some(tile) = plan::chunk_state_tile(d, chunk, t, st.size_in_bytes(), aligned, max) else {
@@ -64,11 +64,11 @@ pub(super) fn state_pass(
         }
         let last_p = before_last()?;
         let f = function(stream, IMAGE, &instances::fwd_pass_state_simt(t, s))?;
-        let grid = ((d.headdim * d.dstate).div_ceil(256) as u32, bh, 1);
+        let grid = [(d.headdim * d.dstate).div_ceil(256), bh, 1];
         return launch(
             stream,
             &f,
-            cfg(grid, (256, 1, 1), chunk * 4),
+            cfg(name, stream, grid, [256, 1, 1], chunk * 4)?,
             &[&p.x, &p.b, &p.dt, &p.da, &p.init, &p.states, &last_p, &kp],
         );
     };
@@ -102,10 +102,12 @@ pub(super) fn state_pass(
     };
     let smem = if tma { tile.tma_smem() } else { tile.smem };
     let launch_cfg = cfg(
-        (i(programs)? as u32, 1, 1),
-        (32 * tile.warps as u32, 1, 1),
+        name,
+        stream,
+        [programs, 1, 1],
+        [32 * tile.warps, 1, 1],
         smem,
-    );
+    )?;
     let (form, args): (_, Vec<&dyn Arg>) = match (&fused, &maps) {
         (Some(ks), Some((tx, tb, rows))) => (
             ChunkStateForm::TmaCs,
@@ -127,11 +129,11 @@ pub(super) fn state_pass(
     let deep = plan::deep_scan(d, sms);
     let f = function(stream, IMAGE, &instances::state_scan(deep, s))?;
     kp.release_at = i(plan::scan_release_at(deep, nchunks))?;
-    let grid = ((d.headdim * d.dstate / 8).div_ceil(256) as u32, bh, 1);
+    let grid = [(d.headdim * d.dstate / 8).div_ceil(256), bh, 1];
     launch(
         stream,
         &f,
-        cfg(grid, (256, 1, 1), 0),
+        cfg(name, stream, grid, [256, 1, 1], 0)?,
         &[&p.da, &p.init, &p.states, &last_p, &kp],
     )
 }
