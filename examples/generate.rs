@@ -11,6 +11,10 @@
 //! vocabulary of at least 256 tokens a text prompt goes through the byte-level stand-in (id =
 //! byte value; say so on stderr, as the output is only meaningful for a byte-level model), and
 //! `--prompt-ids 1,2,3` feeds ids directly and prints generated ids.
+//!
+//! The sampling flags are checked (by the library) before the model is loaded: `--top-p 1.5`,
+//! `--temperature -1` or `--repetition-penalty nan` are errors naming the parameter and value
+//! (negative numbers reach the check rather than being taken for flags).
 
 mod common;
 
@@ -35,16 +39,16 @@ struct Args {
     #[command(flatten)]
     model: common::ModelArgs,
     /// Softmax temperature; 0 decodes greedily
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.8)]
     temperature: f64,
     /// Sample among the k most likely tokens only
     #[arg(long)]
     top_k: Option<usize>,
-    /// Sample among the most likely tokens of total probability p (1 disables)
-    #[arg(long, default_value_t = 0.95)]
+    /// Sample among the most likely tokens of total probability p, in (0, 1] (1 keeps all)
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.95)]
     top_p: f64,
     /// Penalty for tokens among the last --repeat-last-n (1 disables)
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     repetition_penalty: f32,
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
@@ -65,6 +69,21 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let mut config = GenerationConfig {
+        max_new_tokens: args.max_new_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: Some(args.top_p),
+            repetition_penalty: args.repetition_penalty,
+            repeat_last_n: args.repeat_last_n,
+            seed: args.seed,
+        },
+        stop_strings: args.stop.clone(),
+        eos_token_ids: Vec::new(),
+        no_cuda_graph: args.no_cuda_graph,
+    };
+    config.validate()?;
     let loaded = args.model.load()?;
     let model = &loaded.model;
     let vocab = model.config().vocab_size;
@@ -90,25 +109,9 @@ fn main() -> Result<()> {
             loaded.dir.display()
         ),
     };
-    let eos = if args.ignore_eos {
-        Vec::new()
-    } else {
-        eos_token_ids(model.config(), &tokenizer)
-    };
-    let config = GenerationConfig {
-        max_new_tokens: args.max_new_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: (args.top_p < 1.0).then_some(args.top_p),
-            repetition_penalty: args.repetition_penalty,
-            repeat_last_n: args.repeat_last_n,
-            seed: args.seed,
-        },
-        stop_strings: args.stop.clone(),
-        eos_token_ids: eos,
-        no_cuda_graph: args.no_cuda_graph,
-    };
+    if !args.ignore_eos {
+        config.eos_token_ids = eos_token_ids(model.config(), &tokenizer);
+    }
     let generator = Generator::new(model, &tokenizer, config)?;
     let mut stdout = std::io::stdout();
     let mut print = |text: &str| -> candle_core::Result<()> {

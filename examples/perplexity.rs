@@ -73,8 +73,13 @@ fn main() -> Result<()> {
         .get_ids()
         .to_vec();
     let vocab = model.config().vocab_size;
-    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-        bail!("the tokenizer produced token {bad}, outside the model's {vocab} vocabulary rows")
+    // The model checks every window too; this check names the token's place in the file.
+    if let Some((at, bad)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+        bail!(
+            "the tokenizer produced token id {bad} at token {at} of {}, outside the model's \
+             vocabulary ({vocab} tokens): the tokenizer does not belong to this model",
+            args.file.display()
+        )
     }
     let windows: Vec<&[u32]> = ids.chunks(args.window).filter(|w| w.len() >= 2).collect();
     let predicted: usize = windows.iter().map(|w| w.len() - 1).sum();

@@ -352,7 +352,7 @@ fn bad_generation_inputs_are_named() -> Result<()> {
         .expect_err("id out of vocabulary");
     assert!(err
         .to_string()
-        .contains("prompt token 288 is out of the model's vocabulary (288 tokens)"));
+        .contains("token id 288 at prompt[1] is out of the model's vocabulary (288 tokens"));
     let config = GenerationConfig {
         stop_strings: vec![String::new()],
         ..GenerationConfig::default()

@@ -1,16 +1,23 @@
 //! The model and its conv and norm ops on CUDA (run on a GPU machine with `--features cuda`):
 //! every HF fixture in f32 (max rel err ≤ 1e-3) and bf16, decode replayed from a CUDA graph
 //! against eager decode, and each CUDA op against its CPU implementation on fresh random inputs,
-//! including row-strided inputs read in place.
+//! including row-strided inputs read in place. The shipped model shared by 4 threads gives each
+//! the logits and tokens of one thread, and out-of-vocabulary ids are refused before any kernel
+//! runs, leaving the CUDA context usable.
 #![cfg(feature = "cuda")]
 
 mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use common::fixture::{case_names, run_case, Case};
 use common::{rel_err, Rng};
 use mamba2::kernels as k;
-use mamba2::model::{DecodeGraph, Model};
+use mamba2::model::{
+    load_tokenizer, Cache, DecodeGraph, GenerationConfig, Generator, Model, Tokenizer,
+};
 
 fn gpu() -> Device {
     k::set_poison(true);
@@ -115,6 +122,163 @@ fn decode_graph_matches_eager_decode() -> Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(msg.contains("needs a model on a CUDA device"), "{msg}");
+    Ok(())
+}
+
+fn weights_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("weights")
+}
+
+const PROMPTS: [&str; 4] = [
+    "It was a dark and stormy night",
+    "The old house at the end of the lane had stood empty for years",
+    "It was a dark and stormy night",
+    "\"Nonsense,\" said Mrs. Bennet, \"you must go, my dear.\"",
+];
+
+fn encode(tokenizer: &Tokenizer, prompt: &str) -> Result<Vec<u32>> {
+    Ok(tokenizer
+        .encode(prompt, true)
+        .map_err(candle_core::Error::msg)?
+        .get_ids()
+        .to_vec())
+}
+
+/// The logits `[L + 4, V]` (on the host) of a full pass over `ids`, then of 4 decode steps
+/// feeding back its argmax, on the calling thread with the fresh `cache`.
+fn run_thread(model: &Model, ids: &[u32], cache: &mut Cache) -> Result<Tensor> {
+    let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
+    let mut rows = vec![model.forward(&input, cache)?.squeeze(0)?];
+    for _ in 0..4 {
+        let prev = &rows[rows.len() - 1];
+        let token = prev.narrow(0, prev.dim(0)? - 1, 1)?.argmax(1)?;
+        rows.push(model.step(&token, cache)?);
+    }
+    Tensor::cat(&rows, 0)?.to_device(&Device::Cpu)
+}
+
+/// The CPU test `threads.rs` on the GPU: one `Arc<Model>` on 4 threads, each with a cache made
+/// on the main thread and moved to it, gives each thread the logits of its prompt run alone;
+/// one `Generator` shared by scoped threads (each capturing its own decode graph) gives each
+/// thread the tokens of one thread.
+#[test]
+fn threads_sharing_a_model_on_cuda() -> Result<()> {
+    let dev = gpu();
+    let model = Arc::new(Model::load(weights_dir(), DType::F32, &dev)?);
+    let tokenizer = load_tokenizer(weights_dir().join("tokenizer.json"))?;
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| encode(&tokenizer, p))
+        .collect::<Result<_>>()?;
+    let alone: Vec<Tensor> = prompts
+        .iter()
+        .map(|ids| run_thread(&model, ids, &mut model.new_cache(1)?))
+        .collect::<Result<_>>()?;
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|ids| {
+            let (model, ids) = (Arc::clone(&model), ids.clone());
+            let mut cache = model.new_cache(1)?;
+            Ok(std::thread::spawn(move || {
+                run_thread(&model, &ids, &mut cache)
+            }))
+        })
+        .collect::<Result<_>>()?;
+    for (i, (h, want)) in handles.into_iter().zip(&alone).enumerate() {
+        let got = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+        let err = rel_err(&got, want)?;
+        assert!(
+            err <= 1e-6,
+            "prompt {i}: logits on a thread differ by {err:e}"
+        );
+    }
+
+    let config = GenerationConfig {
+        max_new_tokens: 8,
+        ..GenerationConfig::default()
+    };
+    let generator = Generator::new(&model, &tokenizer, config)?;
+    let alone: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| Ok(generator.generate(p, |_| Ok(()))?.tokens))
+        .collect::<Result<_>>()?;
+    let shared: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = PROMPTS
+            .iter()
+            .map(|p| {
+                let generator = &generator;
+                s.spawn(move || Ok(generator.generate(p, |_| Ok(()))?.tokens))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect::<Result<_>>()
+    })?;
+    assert_eq!(shared, alone);
+    Ok(())
+}
+
+/// Out-of-vocabulary ids (too large, u32::MAX, negative) are refused by forward, prefill, step,
+/// the decode graph and the generator before any kernel runs: on CUDA an index past the
+/// embedding would be a device-side assert that poisons the context. The same process then runs
+/// a forward equal to the one before, and to the CPU model's.
+#[test]
+fn out_of_vocab_ids_leave_cuda_usable() -> Result<()> {
+    let dev = gpu();
+    let model = Model::load(weights_dir(), DType::F32, &dev)?;
+    let vocab = model.config().vocab_size as u32;
+    let ids = Tensor::new(&[[5u32, 17, 260, 31]], &dev)?;
+    let before = model.forward(&ids, &mut model.new_cache(1)?)?;
+    let mut cache = model.new_cache(1)?;
+    for bad in [vocab, u32::MAX] {
+        let bad_ids = Tensor::new(&[[5u32, bad, 260, 31]], &dev)?;
+        let needle = format!("token id {bad} at ids[0, 1] is out of the model's vocabulary");
+        let msg = model.forward(&bad_ids, &mut cache).unwrap_err().to_string();
+        assert!(msg.contains(&needle), "{msg}");
+        let msg = model.prefill(&bad_ids, &mut cache).unwrap_err().to_string();
+        assert!(msg.contains(&needle), "{msg}");
+        let step_ids = Tensor::new(&[bad], &dev)?;
+        let msg = model.step(&step_ids, &mut cache).unwrap_err().to_string();
+        assert!(msg.contains(&format!("token id {bad} at ids[0]")), "{msg}");
+    }
+    let negative = Tensor::new(&[[5i64, 17, -1, 31]], &dev)?;
+    let msg = model
+        .forward(&negative, &mut cache)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("token id -1 at ids[0, 2]"), "{msg}");
+    assert_eq!(cache.tokens(), 0, "a refused call left the cache alone");
+
+    let mut graph = DecodeGraph::new(&model, model.new_cache(1)?)?;
+    let msg = graph.step(&[vocab]).unwrap_err().to_string();
+    assert!(
+        msg.contains(&format!("token id {vocab} at ids[0]")),
+        "{msg}"
+    );
+    drop(graph);
+    let tokenizer = load_tokenizer(weights_dir().join("tokenizer.json"))?;
+    let generator = Generator::new(&model, &tokenizer, GenerationConfig::default())?;
+    let msg = generator
+        .generate_from_ids(&[5, vocab], |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains(&format!("token id {vocab} at prompt[1]")),
+        "{msg}"
+    );
+
+    let after = model.forward(&ids, &mut cache)?;
+    dev.synchronize()?;
+    let err = rel_err(&after, &before.to_device(&Device::Cpu)?)?;
+    assert!(
+        err <= 1e-6,
+        "forward after the refused ids differs by {err:e}"
+    );
+    let cpu = Model::load(weights_dir(), DType::F32, &Device::Cpu)?;
+    let want = cpu.forward(&ids.to_device(&Device::Cpu)?, &mut cpu.new_cache(1)?)?;
+    let err = rel_err(&after, &want)?;
+    assert!(err <= 1e-3, "GPU forward departs from the CPU's by {err:e}");
     Ok(())
 }
 

@@ -9,6 +9,13 @@
 //! compared with theirs directly. The tensors keep their storage for the cache's whole life:
 //! prefill copies the new states in, decode updates them in place, `reset` zeroes them. Hence a
 //! cache is duplicated with [`Cache::try_clone`] (a deep copy), never by sharing its tensors.
+//!
+//! A cache is `Send + Sync`: it may move to another thread. On CUDA candle queues each thread's
+//! work on that thread's own stream, and nothing orders one thread's stream after another's, so
+//! a cache moves only once the work written into it has finished: [`Cache::new`] waits for its
+//! zeroed states before returning, and after prefill, decode, `reset` or `try_clone` the thread
+//! that ran them calls [`Cache::synchronize`] (or reads a result back, which waits too) before
+//! handing the cache on.
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
@@ -58,7 +65,9 @@ pub struct Cache {
 }
 
 impl Cache {
-    /// A zero state (an empty prefix) for `batch` sequences of a `config` model in `dtype`.
+    /// A zero state (an empty prefix) for `batch` sequences of a `config` model in `dtype`. The
+    /// device is synchronised before the cache is returned, so it may move to another thread at
+    /// once.
     pub fn new(config: &Config, batch: usize, dtype: DType, device: &Device) -> Result<Self> {
         if batch == 0 {
             bail!("cache: batch size must be >= 1")
@@ -75,11 +84,24 @@ impl Cache {
                 })
             })
             .collect::<Result<_>>()?;
+        // The zeroing is queued on this thread's stream: waiting here lets the cache be handed to
+        // another thread as soon as it is returned.
+        device.synchronize()?;
         Ok(Self {
             layers,
             batch,
             tokens: 0,
         })
+    }
+
+    /// Waits until the work this thread queued on the cache's device has finished (on the CPU,
+    /// nothing to wait for). Call it before moving the cache to another thread: on CUDA each
+    /// thread has its own stream, and the other thread's kernels would not wait for this one's.
+    pub fn synchronize(&self) -> Result<()> {
+        match self.layers.first() {
+            Some(l) => l.ssm.device().synchronize(),
+            None => Ok(()),
+        }
     }
 
     /// The number of sequences.
@@ -164,3 +186,10 @@ impl Cache {
         Ok(())
     }
 }
+
+// A cache must be able to move between threads (see the module doc): a field that is not
+// `Send + Sync` breaks the build here rather than in a user's code.
+const _: fn() = || {
+    fn movable<T: Send + Sync>() {}
+    movable::<Cache>();
+};

@@ -10,6 +10,10 @@
 //! Text reaches the callback as soon as it is complete ([`TextStream`]: never half a character).
 //! A stop string ends generation and is not part of the output; text that could still become the
 //! start of a stop string is held back until it cannot.
+//!
+//! Step `i` chooses generated token `i` (from 0) from the logits after the prompt and the `i`
+//! tokens before it; an error while choosing or computing them (logits that are not finite, for
+//! one) names that step.
 
 use std::fmt;
 use std::time::Instant;
@@ -17,11 +21,13 @@ use std::time::Instant;
 use candle_core::{bail, Result, Tensor};
 use tokenizers::Tokenizer;
 
+use crate::model::check_vocab;
 use crate::{Cache, Config, Model, Sampler, SamplingParams, TextStream};
 
 /// What to generate and when to stop.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct GenerationConfig {
+    /// At most this many tokens are generated (0 to [`GenerationConfig::MAX_NEW_TOKENS`]).
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
     /// Generation ends when the output contains one of these (non-empty) strings.
@@ -31,6 +37,30 @@ pub struct GenerationConfig {
     /// On CUDA, launch each decode step's kernels one by one instead of replaying the step as a
     /// captured CUDA graph ([`crate::DecodeGraph`]; its capture counts as decode time).
     pub no_cuda_graph: bool,
+}
+
+impl GenerationConfig {
+    /// The largest `max_new_tokens`: 16M tokens, far beyond any real generation, so that a
+    /// mistyped count is an error instead of a run that never ends (the tokens and text kept grow
+    /// with it).
+    pub const MAX_NEW_TOKENS: usize = 1 << 24;
+
+    /// Checks the sampling parameters ([`SamplingParams::validate`]), `max_new_tokens` and the
+    /// stop strings; the error names the parameter and its value.
+    pub fn validate(&self) -> Result<()> {
+        self.sampling.validate()?;
+        if self.max_new_tokens > Self::MAX_NEW_TOKENS {
+            bail!(
+                "max_new_tokens must be <= {}, got {}",
+                Self::MAX_NEW_TOKENS,
+                self.max_new_tokens
+            )
+        }
+        if let Some(i) = self.stop_strings.iter().position(String::is_empty) {
+            bail!("stop string {i} is empty: stop strings must not be empty")
+        }
+        Ok(())
+    }
 }
 
 /// Why generation ended.
@@ -122,6 +152,12 @@ pub fn eos_token_ids(config: &Config, tokenizer: &Tokenizer) -> Vec<u32> {
 /// assert_eq!(again.tokens, generation.tokens);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
+///
+/// # Threads
+///
+/// A `Generator` is `Send + Sync`, and each call of [`Generator::generate`] makes its own cache
+/// (and, on CUDA, its own decode graph), runs on the calling thread alone and waits for the
+/// device before it returns: one generator (or one [`Model`]) may serve many threads at once.
 pub struct Generator<'a> {
     model: &'a Model,
     tokenizer: &'a Tokenizer,
@@ -134,10 +170,7 @@ impl<'a> Generator<'a> {
         tokenizer: &'a Tokenizer,
         config: GenerationConfig,
     ) -> Result<Self> {
-        config.sampling.validate()?;
-        if config.stop_strings.iter().any(String::is_empty) {
-            bail!("stop strings must not be empty")
-        }
+        config.validate()?;
         Ok(Self {
             model,
             tokenizer,
@@ -163,6 +196,7 @@ impl<'a> Generator<'a> {
     }
 
     /// Generates from the token ids `prompt`, calling `on_text` with each newly complete piece.
+    /// The ids are checked against the model's vocabulary before anything runs.
     pub fn generate_from_ids(
         &self,
         prompt: &[u32],
@@ -172,16 +206,15 @@ impl<'a> Generator<'a> {
             bail!("the prompt has no tokens")
         }
         let vocab = self.model.config().vocab_size;
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            bail!("prompt token {bad} is out of the model's vocabulary ({vocab} tokens)")
-        }
+        let ids = prompt.iter().map(|&t| i64::from(t));
+        check_vocab(ids, &[prompt.len()], "prompt", vocab)?;
         let (model, device) = (self.model, self.model.device());
         let mut sampler = Sampler::new(self.config.sampling)?;
         let mut cache = model.new_cache(1)?;
 
         let start = Instant::now();
         let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
-        let mut logits = model.prefill(&ids, &mut cache)?.squeeze(0)?;
+        let mut logits = model.prefill_checked(&ids, &mut cache)?.squeeze(0)?;
         device.synchronize()?;
         let prefill_secs = start.elapsed().as_secs_f64();
 
@@ -193,8 +226,17 @@ impl<'a> Generator<'a> {
         let mut decode_steps = 0;
         let start = Instant::now();
         let mut decoder = Decoder::new(model, cache, self.config.no_cuda_graph)?;
+        let at_step = |i: usize, e: candle_core::Error| {
+            candle_core::Error::msg(format!(
+                "generation step {i} (the logits after the {}-token prompt and {i} generated \
+                 tokens): {e}",
+                prompt.len()
+            ))
+        };
         for i in 0..self.config.max_new_tokens {
-            let token = sampler.sample(&logits, &history)?;
+            let token = sampler
+                .sample(&logits, &history)
+                .map_err(|e| at_step(i, e))?;
             if self.config.eos_token_ids.contains(&token) {
                 stop = StopReason::Eos;
                 break;
@@ -206,7 +248,7 @@ impl<'a> Generator<'a> {
                 break;
             }
             if i + 1 < self.config.max_new_tokens {
-                logits = decoder.step(token)?;
+                logits = decoder.step(token).map_err(|e| at_step(i + 1, e))?;
                 decode_steps += 1;
             }
         }
@@ -230,6 +272,13 @@ impl<'a> Generator<'a> {
     }
 }
 
+// One generator may serve many threads (see "Threads" on `Generator`): a field that is not
+// `Send + Sync` breaks the build here rather than in a user's code.
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Generator<'static>>();
+};
+
 /// Decode steps one kernel at a time, or replayed from a captured CUDA graph.
 enum Decoder<'m> {
     Eager {
@@ -250,12 +299,14 @@ impl<'m> Decoder<'m> {
         Ok(Self::Eager { model, cache })
     }
 
-    /// The logits `[V]` after `token`.
+    /// The logits `[V]` after `token`, which is checked against the vocabulary on the host.
     fn step(&mut self, token: u32) -> Result<Tensor> {
         match self {
             Self::Eager { model, cache } => {
+                let vocab = model.config().vocab_size;
+                check_vocab([i64::from(token)], &[1], "ids", vocab)?;
                 let ids = Tensor::new(&[token], model.device())?;
-                model.step(&ids, cache)?.squeeze(0)
+                model.step_checked(&ids, cache)?.squeeze(0)
             }
             #[cfg(feature = "cuda")]
             Self::Graph(graph) => graph.step(&[token])?.squeeze(0),

@@ -11,6 +11,10 @@
 //! of two buffers it owns (`ids [B]` u32, `logits [B,V]` f32). The borrow of the model and the
 //! ownership of the cache keep all of them alive and in place: the cache's tensors are updated in
 //! place by prefill, decode and `reset`, and are never replaced.
+//!
+//! A captured step cannot check its ids (reading them back would break the capture), so
+//! [`DecodeGraph::step`] checks the host ids against the vocabulary before writing them to the
+//! graph's buffer.
 
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUgraphInstantiate_flags, CUstreamCaptureMode,
@@ -20,9 +24,18 @@ use candle_core::{
     bail, CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Result, Tensor,
 };
 
+use crate::model::check_vocab;
 use crate::{Cache, Model};
 
 /// A model's decode step over one cache, captured once and replayed per token.
+///
+/// # Threads
+///
+/// A `DecodeGraph` is neither `Send` nor `Sync` (cudarc's graph handle is not): it stays on the
+/// thread that captured it. That is also what keeps it sound: the small kernel parameters the
+/// capture uploaded live in candle's upload cache of that thread, and the replays run on that
+/// thread's stream, in order after the prefills and resets it ran on the same cache. Other
+/// threads may capture graphs of their own over the same [`Model`].
 pub struct DecodeGraph<'m> {
     model: &'m Model,
     cache: Cache,
@@ -79,7 +92,8 @@ impl<'m> DecodeGraph<'m> {
         })
     }
 
-    /// Feeds one token per sequence and returns the next-token logits `[B,V]` (f32).
+    /// Feeds one token per sequence and returns the next-token logits `[B,V]` (f32). Every id is
+    /// checked against the vocabulary on the host before the graph is launched.
     pub fn step(&mut self, ids: &[u32]) -> Result<Tensor> {
         let batch = self.cache.batch_size();
         if ids.len() != batch {
@@ -89,9 +103,7 @@ impl<'m> DecodeGraph<'m> {
             )
         }
         let vocab = self.model.config().vocab_size;
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            bail!("token {bad} is out of the model's vocabulary ({vocab} tokens)")
-        }
+        check_vocab(ids.iter().map(|&t| i64::from(t)), &[batch], "ids", vocab)?;
         self.ids.inplace_op1(&WriteIds(ids))?;
         self.graph
             .launch()

@@ -3,6 +3,12 @@
 //! PyTorch pickles), the model ([`Model`]: prefill in bounded pieces and one-token decode over a
 //! [`Cache`]; with `cuda`, [`DecodeGraph`] replays a decode step as a CUDA graph) and text generation ([`Generator`], with [`Sampler`] and the UTF-8-safe
 //! [`TextStream`]); [`hub`] downloads model directories from the Hugging Face Hub.
+//!
+//! Bad input is an error, not a panic nor wrong numbers: token ids are checked against the
+//! vocabulary before any kernel runs, sampling parameters when a [`Sampler`] or [`Generator`] is
+//! made, and logits that are not finite stop generation with an error naming the step. One
+//! [`Model`] may serve many threads, each with its own [`Cache`]; the rules for moving work
+//! between threads on CUDA are under "Threads" on [`Model`].
 
 mod cache;
 mod checkpoint;

@@ -12,6 +12,11 @@
 //! `lm_head.weight` (read only when untied). Prompts are run in pieces of at most
 //! [`Model::prefill_piece_len`] tokens, carrying the state from piece to piece, so activation
 //! memory does not grow with the prompt.
+//!
+//! Token ids are checked against the vocabulary before any kernel runs: an id outside
+//! `0..vocab_size` is an error naming it and its position, never an index into the embedding
+//! (on CUDA an out-of-range index is a device-side assert that ends every later CUDA call of the
+//! process; on the CPU candle embeds the largest id of each index type as zeros).
 
 use std::path::Path;
 
@@ -38,6 +43,19 @@ struct Block {
 }
 
 /// A Mamba-2 language model with its weights on one device in one dtype.
+///
+/// # Threads
+///
+/// `Model` is `Send + Sync`, and running it changes nothing in it (every run takes `&self`): one
+/// model may serve many threads at once (`&Model` in scoped threads, or `Arc<Model>`), each
+/// thread with its own [`Cache`] (a cache is `&mut` in every call, so two threads cannot step one
+/// cache). [`Model::new`] and [`Model::load`] synchronise the device before returning, so the
+/// uploaded weights are complete whichever thread uses them first. On CUDA (a device from
+/// `Device::new_cuda`) candle queues each thread's work on that thread's own default stream, and
+/// nothing orders one thread's stream after another's: a tensor or cache that one thread has
+/// written must be synchronised by that thread (reading a result back does it, as do
+/// [`Cache::synchronize`] and `Device::synchronize`) before another thread uses or drops it, and
+/// each thread synchronises before it lets go of a shared model, whose last owner frees it.
 ///
 /// A prompt prefilled and then continued by a decode step gives the logits of one pass over the
 /// whole sequence; here with the small model shipped in the repository's `weights/`:
@@ -76,7 +94,8 @@ pub struct Model {
 }
 
 impl Model {
-    /// Builds the model of `config` from `vb` (whose dtype and device the model takes).
+    /// Builds the model of `config` from `vb` (whose dtype and device the model takes); the device
+    /// is synchronised before the model is returned (see the thread rules on [`Model`]).
     pub fn new(config: &Config, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
         match vb.dtype() {
@@ -114,7 +133,7 @@ impl Model {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(Self {
+        let model = Self {
             config: config.clone(),
             embedding: Embedding::new(embedding, d),
             blocks,
@@ -123,12 +142,17 @@ impl Model {
             dtype: vb.dtype(),
             device: vb.device().clone(),
             piece_len: DEFAULT_PREFILL_PIECE_LEN,
-        })
+        };
+        // Weights are uploaded and A = −exp(A_log) computed on this thread's stream: waiting for
+        // them lets any other thread use the model at once.
+        model.device.synchronize()?;
+        Ok(model)
     }
 
     /// Loads `dir/config.json` and the checkpoint of `dir` (see [`Checkpoint`]) in `dtype` on
     /// `device`. Every stored tensor must be used (a tied `lm_head.weight` may be stored too), so
     /// that a config that does not describe the weights is an error, not a silently wrong model.
+    /// The device is synchronised before the model is returned, as by [`Model::new`].
     pub fn load(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         let dir = dir.as_ref();
         if !dir.is_dir() {
@@ -191,9 +215,13 @@ impl Model {
     }
 
     /// The logits `[B,L,V]` (f32) of every position of `ids [B,L]`, continuing from `cache`.
+    ///
+    /// `ids` are u8, u32 or i64 on the model's device, each in `0..vocab_size` (checked first, on
+    /// the host; see [`Model::step`] for what that costs on CUDA).
     pub fn forward(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let ids = self.checked_ids(ids)?;
         let mut logits = Vec::new();
-        self.pieces(ids, cache, |h| {
+        self.pieces(&ids, cache, |h| {
             logits.push(self.logits(h)?);
             Ok(())
         })?;
@@ -201,8 +229,14 @@ impl Model {
     }
 
     /// Feeds the prompt `ids [B,L]` through `cache` and returns the logits `[B,V]` (f32) after its
-    /// last token.
+    /// last token. `ids` are checked as by [`Model::forward`].
     pub fn prefill(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let ids = self.checked_ids(ids)?;
+        self.prefill_checked(&ids, cache)
+    }
+
+    /// [`Model::prefill`] of ids already known to be u32 or i64 and inside the vocabulary.
+    pub(crate) fn prefill_checked(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
         let mut last = None;
         self.pieces(ids, cache, |h| {
             let l = h.dim(1)?;
@@ -216,13 +250,26 @@ impl Model {
     }
 
     /// Feeds one token per sequence, `ids [B]`, and returns the next-token logits `[B,V]` (f32).
+    ///
+    /// The ids are checked against the vocabulary on the host before any kernel runs. On CUDA that
+    /// reads the B ids back: one small copy that waits for the work this thread queued before it
+    /// (next to nothing once the previous step's logits have been read). [`crate::Generator`] and
+    /// [`crate::DecodeGraph`] take ids from the host and check them there, at no device cost.
     pub fn step(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
+        let ids = self.checked_ids(ids)?;
+        self.step_checked(&ids, cache)
+    }
+
+    /// [`Model::step`] of ids already known to be u32 or i64 and inside the vocabulary.
+    pub(crate) fn step_checked(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
         let logits = self.step_logits(ids, cache)?;
         cache.advance(1);
         Ok(logits)
     }
 
-    /// [`Model::step`] without counting the token in `cache` (a captured step counts per replay).
+    /// [`Model::step_checked`] without counting the token in `cache` (a captured step counts per
+    /// replay). The ids are not checked: a captured step cannot read them back, so the graph
+    /// checks them on the host before it writes them to its buffer.
     pub(crate) fn step_logits(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
         let batch = match ids.dims() {
             &[b] => b,
@@ -238,6 +285,39 @@ impl Model {
         }
         let (h, _) = self.norm(&h, residual.as_ref(), &self.norm_f)?;
         decode_linear(&self.lm_head, &h)?.to_dtype(DType::F32)
+    }
+
+    /// `ids` ([B] or [B,L]) after checking its dtype, device and every id against the
+    /// vocabulary; u8 ids come back as u32, as candle's embedding turns the largest id of an
+    /// index type (255 for u8) into a row of zeros.
+    fn checked_ids(&self, ids: &Tensor) -> Result<Tensor> {
+        if !ids.device().same_device(&self.device) {
+            bail!(
+                "ids are on {:?} but the model is on {:?}",
+                ids.device(),
+                self.device
+            )
+        }
+        let host = ids.to_device(&Device::Cpu)?.flatten_all()?;
+        let vocab = self.config.vocab_size;
+        match ids.dtype() {
+            DType::U8 => {
+                let v = host.to_vec1::<u8>()?;
+                check_vocab(v.iter().map(|&t| i64::from(t)), ids.dims(), "ids", vocab)?;
+                ids.to_dtype(DType::U32)
+            }
+            DType::U32 => {
+                let v = host.to_vec1::<u32>()?;
+                check_vocab(v.iter().map(|&t| i64::from(t)), ids.dims(), "ids", vocab)?;
+                Ok(ids.clone())
+            }
+            DType::I64 => {
+                let v = host.to_vec1::<i64>()?;
+                check_vocab(v.iter().copied(), ids.dims(), "ids", vocab)?;
+                Ok(ids.clone())
+            }
+            dt => bail!("ids must be u8, u32 or i64, got {dt:?}"),
+        }
     }
 
     fn norm(
@@ -287,4 +367,40 @@ impl Model {
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
         self.lm_head.forward(h)?.to_dtype(DType::F32)
     }
+}
+
+// `Model` must stay shareable between threads (see "Threads" on it): a field that is not
+// `Send + Sync` breaks the build here rather than in a user's code.
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Model>();
+};
+
+/// An error for the first id of `ids` (row-major over `dims`) outside `0..vocab`, naming the id,
+/// its index in `name` and the vocabulary size.
+pub(crate) fn check_vocab(
+    ids: impl IntoIterator<Item = i64>,
+    dims: &[usize],
+    name: &str,
+    vocab: usize,
+) -> Result<()> {
+    let bad = ids
+        .into_iter()
+        .enumerate()
+        .find(|&(_, id)| !usize::try_from(id).is_ok_and(|id| id < vocab));
+    if let Some((flat, id)) = bad {
+        let mut index = vec![0; dims.len()];
+        let mut rest = flat;
+        for (i, &d) in index.iter_mut().zip(dims).rev() {
+            *i = rest % d.max(1);
+            rest /= d.max(1);
+        }
+        let index: Vec<String> = index.iter().map(usize::to_string).collect();
+        bail!(
+            "token id {id} at {name}[{}] is out of the model's vocabulary ({vocab} tokens: ids 0 to {})",
+            index.join(", "),
+            vocab.saturating_sub(1)
+        )
+    }
+    Ok(())
 }

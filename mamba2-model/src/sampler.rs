@@ -9,7 +9,11 @@
 //! draw                 from the kept q, renormalised, with a seeded SplitMix64 generator
 //! ```
 //!
-//! The same seed, logits and history give the same token on every run and platform.
+//! The same seed, logits and history give the same token on every run and platform. Every logit
+//! must be finite: a NaN or an infinity means the model's numbers broke down (an overflow in a
+//! half-precision model, broken weights), and choosing a token from them would hide it, so the
+//! sampler returns an error naming the first such logit instead. To forbid a token, give it a
+//! large finite negative logit (e.g. `f32::MIN`), not −inf.
 
 use candle_core::{bail, DType, Result, Tensor};
 
@@ -43,7 +47,8 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Checks every value's range.
+    /// Checks every value's range; the error names the parameter and its value. `repeat_last_n`
+    /// and `seed` may be anything.
     pub fn validate(&self) -> Result<()> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             bail!(
@@ -52,7 +57,7 @@ impl SamplingParams {
             )
         }
         if self.top_k == Some(0) {
-            bail!("top_k must be >= 1")
+            bail!("top_k must be >= 1 (None keeps every token), got 0")
         }
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
@@ -123,31 +128,37 @@ impl Sampler {
     }
 
     /// The next token from `logits [V]` (any float dtype), `history` being the tokens so far.
+    /// Logits that are not all finite are an error naming the first NaN or infinity.
     pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
         let mut l = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         if l.is_empty() {
             bail!("sample: empty logits")
+        }
+        if let Some((i, v)) = l.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            bail!(
+                "the logits are not finite: logit {i} of {} is {v} (the model's numbers broke down)",
+                l.len()
+            )
         }
         let p = self.params;
         if p.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
             for &t in &history[start..] {
                 if let Some(v) = l.get_mut(t as usize) {
-                    *v = if *v > 0.0 {
+                    let penalised = if *v > 0.0 {
                         *v / p.repetition_penalty
                     } else {
                         *v * p.repetition_penalty
                     };
+                    // Saturate: a penalty below 1 must not overflow a huge logit into ±inf.
+                    *v = penalised.clamp(f32::MIN, f32::MAX);
                 }
             }
         }
         if p.temperature == 0.0 {
             return Ok(argmax(&l));
         }
-        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if !max.is_finite() {
-            bail!("sample: logits have no finite maximum (NaN or all -inf)")
-        }
+        let max = l.iter().copied().fold(f32::MIN, f32::max);
         // (probability, token), most likely first, unnormalised.
         let mut probs: Vec<(f64, u32)> = l
             .iter()
