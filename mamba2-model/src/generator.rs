@@ -35,7 +35,7 @@ pub struct GenerationConfig {
     /// Generation ends when one of these tokens is drawn (it is not output).
     pub eos_token_ids: Vec<u32>,
     /// On CUDA, launch each decode step's kernels one by one instead of replaying the step as a
-    /// captured CUDA graph ([`crate::DecodeGraph`]; its capture counts as decode time).
+    /// captured CUDA graph (`DecodeGraph`; its capture counts as decode time).
     pub no_cuda_graph: bool,
 }
 

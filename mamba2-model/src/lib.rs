@@ -1,7 +1,7 @@
 //! The Mamba-2 language model on the `mamba2-kernels` ops: configuration ([`Config`], both
 //! `config.json` formats), checkpoint loading ([`Checkpoint`]: safetensors, sharded or not, and
 //! PyTorch pickles), the model ([`Model`]: prefill in bounded pieces and one-token decode over a
-//! [`Cache`]; with `cuda`, [`DecodeGraph`] replays a decode step as a CUDA graph) and text generation ([`Generator`], with [`Sampler`] and the UTF-8-safe
+//! [`Cache`]; with `cuda`, `DecodeGraph` replays a decode step as a CUDA graph) and text generation ([`Generator`], with [`Sampler`] and the UTF-8-safe
 //! [`TextStream`]); [`hub`] downloads model directories from the Hugging Face Hub.
 //!
 //! Bad input is an error, not a panic nor wrong numbers: token ids are checked against the

@@ -14,8 +14,9 @@
 //! applied in both paths: mamba_ssm's `Mamba2.step` and HF's single-token path skip it, so their
 //! decode departs from their own prefill when `dt_limit` is finite; here they agree. `A`,
 //! `dt_bias` and `D` are f32 whatever the model dtype. The chunked scan runs with chunks of
-//! `max(16, chunk_size rounded up to a power of two)` tokens: the result does not depend on the
-//! chunk length and the kernels need a power of two ≥ 16.
+//! `chunk_size` tokens rounded up to a power of two and clamped to [16, 256]: the result does not
+//! depend on the chunk length, the kernels need a power of two ≥ 16, and 256 keeps the CUDA
+//! kernels on their tensor-core paths and bounds their shared memory.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
@@ -81,7 +82,7 @@ impl Mixer {
             ngroups: cfg.ngroups,
             d_state: cfg.d_state,
             group_size: cfg.norm_group_size(),
-            chunk_size: cfg.chunk_size.next_power_of_two().max(16),
+            chunk_size: cfg.chunk_size.clamp(16, 256).next_power_of_two(),
             dt_limit: cfg.dt_limit,
             eps: cfg.norm_eps,
         })

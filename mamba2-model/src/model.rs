@@ -25,7 +25,7 @@ use candle_nn::{Embedding, Linear, VarBuilder};
 use mamba2_kernels::add_rms_norm;
 
 use crate::cache::Cache;
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, ModelDir};
 use crate::mixer::{decode_linear, Mixer};
 use crate::Config;
 
@@ -150,7 +150,8 @@ impl Model {
     }
 
     /// Loads `dir/config.json` and the checkpoint of `dir` (see [`Checkpoint`]) in `dtype` on
-    /// `device`. Every stored tensor must be used (a tied `lm_head.weight` may be stored too), so
+    /// `device`; config.json, like the weight files, must lie inside `dir` once symlinks are
+    /// resolved. Every stored tensor must be used (a tied `lm_head.weight` may be stored too), so
     /// that a config that does not describe the weights is an error, not a silently wrong model.
     /// The device is synchronised before the model is returned, as by [`Model::new`].
     pub fn load(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
@@ -158,7 +159,10 @@ impl Model {
         if !dir.is_dir() {
             bail!("model directory {} does not exist", dir.display())
         }
-        let config = Config::from_file(dir.join("config.json"))?;
+        // config.json obeys the checkpoint's rule for its files: inside the model directory once
+        // symlinks are resolved, so that a link cannot make the model read a file from elsewhere.
+        let config_file = ModelDir::new(dir)?.resolve("config.json", "config", "")?;
+        let config = Config::read(&config_file, &dir.join("config.json"))?;
         let checkpoint = Checkpoint::open(dir)?;
         let model = Self::new(&config, checkpoint.var_builder(dtype, device))?;
         let unread: Vec<String> = checkpoint
@@ -254,7 +258,7 @@ impl Model {
     /// The ids are checked against the vocabulary on the host before any kernel runs. On CUDA that
     /// reads the B ids back: one small copy that waits for the work this thread queued before it
     /// (next to nothing once the previous step's logits have been read). [`crate::Generator`] and
-    /// [`crate::DecodeGraph`] take ids from the host and check them there, at no device cost.
+    /// `DecodeGraph` take ids from the host and check them there, at no device cost.
     pub fn step(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
         let ids = self.checked_ids(ids)?;
         self.step_checked(&ids, cache)
