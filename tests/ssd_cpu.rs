@@ -320,3 +320,45 @@ fn non_contiguous_inputs_are_accepted() -> Result<()> {
     assert_eq!(rel_err(&s2, &s)?, 0.0);
     Ok(())
 }
+
+/// f64 values (with f64 parameters and states) are computed in f64: every stage and `ssd` agree
+/// with the f64 recurrence to rounding, which the gradient checks against finite differences
+/// rely on.
+#[test]
+fn f64_values_compute_in_f64() -> Result<()> {
+    let mut spec = with_options(Spec::new(45, 4, 2, 16), 3);
+    spec.dtype = DType::F64;
+    spec.state_dtype = DType::F64;
+    let dev = Device::Cpu;
+    let pb = Problem::new(&spec, &mut Rng::new(64), &dev)?;
+    let wide = |t: &Tensor| t.to_dtype(DType::F64);
+    let (a, bias) = (wide(&pb.a)?, pb.dt_bias.as_ref().map(wide).transpose()?);
+    let d = pb.d.as_ref().map(wide).transpose()?;
+    let mut opts = pb.options();
+    opts.dt.bias = bias.as_ref();
+    opts.d = d.as_ref();
+    let want = reference::ssd(&pb.x, &pb.dt, &a, &pb.b, &pb.c, &opts)?;
+    let (y, last) = k::ssd(&pb.x, &pb.dt, &a, &pb.b, &pb.c, &opts)?;
+    assert_eq!((y.dtype(), last.dtype()), (DType::F64, DType::F64));
+    for (what, got, want) in [
+        ("y", &y, &want.y),
+        ("final state", &last, &want.final_state),
+    ] {
+        let e = rel_err(got, want)?;
+        assert!(e <= 1e-12, "f64 {what} rel err {e:e}");
+    }
+    let (dt_out, da) = k::chunk_cumsum(&pb.dt, &a, &opts.dt, spec.chunk)?;
+    assert_eq!(da.dtype(), DType::F64);
+    let states = k::fwd_pass_state(
+        &pb.x,
+        &pb.b,
+        &dt_out,
+        &da,
+        pb.init.as_ref(),
+        spec.chunk,
+        DType::F64,
+    )?;
+    let e = rel_err(&states, &want.chunk_states)?;
+    assert!(e <= 1e-12, "f64 chunk states rel err {e:e}");
+    Ok(())
+}

@@ -1,7 +1,7 @@
 //! Input validation shared by the ops: every bad input becomes an error that names the op, the
 //! tensor and the problem (rank, dimension, dtype, device, contiguity).
 
-use candle_core::{bail, DType, Layout, Result, Tensor};
+use candle_core::{bail, DType, Device, Layout, Result, Tensor};
 
 /// The dimensions of an SSD problem, read off `x [B,L,H,P]` and `b [B,L,G,N]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,7 +57,7 @@ impl SsdDims {
             &[self.batch, self.nheads, self.seqlen],
             "[B, H, L]",
         )?;
-        dtype(op, name, t, DType::F32)
+        dtype(op, name, t, param_dtype(x))
     }
 
     /// Checks a tensor shaped like `b`: `[B,L,G,N]` with x's dtype (the tensor c).
@@ -81,7 +81,7 @@ impl SsdDims {
         device(op, name, t, x)?;
         let want = [self.batch, self.nheads, self.headdim, self.dstate];
         shape(op, name, t, &want, "[B, H, P, N]")?;
-        state_dtype(op, name, t.dtype())
+        state_dtype(op, name, t.dtype(), t.device())
     }
 
     pub fn check_groups(&self, op: &str) -> Result<()> {
@@ -217,11 +217,26 @@ pub(crate) fn same_dtype(op: &str, name: &str, t: &Tensor, x: &Tensor) -> Result
     Ok(())
 }
 
-/// Checks that `t` has one of the value dtypes the kernels read: f32, f16 or bf16.
+/// Checks that `t` has one of the value dtypes the ops read: f32, f16 or bf16, and f64 on the
+/// CPU (computed in f64 there, for gradient checks).
 pub(crate) fn float(op: &str, name: &str, t: &Tensor) -> Result<()> {
     match t.dtype() {
         DType::F32 | DType::F16 | DType::BF16 => Ok(()),
-        dt => bail!("{op}: {name} must be f32, f16 or bf16, got {dt:?}"),
+        DType::F64 if t.device().is_cpu() => Ok(()),
+        dt => bail!(
+            "{op}: {name} must be f32, f16 or bf16, got {dt:?} on {:?} (f64 is taken on the CPU)",
+            t.device().location()
+        ),
+    }
+}
+
+/// The dtype of the per-head parameters (a, dt_bias, D) and of stage 1's outputs for values
+/// like `x`: f32, or f64 when the values are f64 (the CPU's f64 compute).
+pub(crate) fn param_dtype(x: &Tensor) -> DType {
+    if x.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
     }
 }
 
@@ -233,11 +248,13 @@ pub(crate) fn dtype(op: &str, name: &str, t: &Tensor, want: DType) -> Result<()>
     Ok(())
 }
 
-/// Checks a state dtype: the chunk states and the decode state are f32 or bf16.
-pub(crate) fn state_dtype(op: &str, name: &str, dt: DType) -> Result<()> {
+/// Checks a state dtype: the chunk states and the decode state are f32 or bf16, or f64 on the
+/// CPU (`device`).
+pub(crate) fn state_dtype(op: &str, name: &str, dt: DType, device: &Device) -> Result<()> {
     match dt {
         DType::F32 | DType::BF16 => Ok(()),
-        dt => bail!("{op}: {name} must be f32 or bf16, got {dt:?}"),
+        DType::F64 if device.is_cpu() => Ok(()),
+        dt => bail!("{op}: {name} must be f32 or bf16, got {dt:?} (f64 is taken on the CPU)"),
     }
 }
 
@@ -257,7 +274,7 @@ pub(crate) fn chunk_size(op: &str, chunk_size: usize) -> Result<()> {
     Ok(())
 }
 
-/// Checks the per-head parameter `a [H]`: f32, on the device of `x`.
+/// Checks a per-head parameter `[H]` (a, dt_bias): f32 (f64 with f64 values), on the device of `x`.
 pub(crate) fn head_param(
     op: &str,
     name: &str,
@@ -267,10 +284,10 @@ pub(crate) fn head_param(
 ) -> Result<()> {
     device(op, name, t, x)?;
     shape(op, name, t, &[nheads], "[H]")?;
-    dtype(op, name, t, DType::F32)
+    dtype(op, name, t, param_dtype(x))
 }
 
-/// Checks `D`: f32, `[H]` (per head) or `[H, P]` (per channel).
+/// Checks `D`: f32 (f64 with f64 values), `[H]` (per head) or `[H, P]` (per channel).
 pub(crate) fn skip_param(
     op: &str,
     d: &Tensor,
@@ -279,7 +296,7 @@ pub(crate) fn skip_param(
     headdim: usize,
 ) -> Result<()> {
     device(op, "D", d, x)?;
-    dtype(op, "D", d, DType::F32)?;
+    dtype(op, "D", d, param_dtype(x))?;
     if d.dims() != [nheads] && d.dims() != [nheads, headdim] {
         bail!(
             "{op}: D must have shape [H] = [{nheads}] or [H, P] = [{nheads}, {headdim}], got {:?}",

@@ -4,6 +4,7 @@
 use candle_core::{bail, Result, Tensor};
 
 use crate::check;
+use crate::cpu::Real;
 
 /// How raw `dt` becomes the step size: optional per-head bias `[H]` (f32), softplus, clamp.
 #[derive(Clone, Copy, Debug)]
@@ -54,10 +55,10 @@ impl DtOptions<'_> {
 
 /// The processed step size of one raw value.
 #[inline]
-pub(crate) fn process(raw: f32, bias: f32, rule: DtRule) -> f32 {
-    let (lo, hi) = rule.limit;
+pub(crate) fn process<T: Real>(raw: T, bias: T, rule: DtRule) -> T {
+    let (lo, hi) = (T::of(rule.limit.0), T::of(rule.limit.1));
     let v = raw + bias;
-    let v = if rule.softplus && v <= 20.0 {
+    let v = if rule.softplus && v <= T::of(20.0) {
         v.exp().ln_1p()
     } else {
         v

@@ -14,7 +14,8 @@
 //!
 //! Layouts: `x [B,L,H,P]`, `dt [B,L,H]`, `a [H]` (f32), `b, c [B,L,G,N]` (head `h` reads group
 //! `h / (H/G)`), `z [B,L,H,P]`, `D [H]` or `[H,P]`, states `[B,H,P,N]`, chunk states
-//! `[B,H,C+1,P,N]`. Values are f32, f16 or bf16; arithmetic accumulates in f32.
+//! `[B,H,C+1,P,N]`. Values are f32, f16 or bf16; arithmetic accumulates in f32. On the CPU the
+//! ops also take f64 values (and f64 states) and compute in f64, for gradient checks.
 //! [`reference`](mod@reference) holds the sequential f64 recurrence that every implementation is tested against.
 //!
 //! The rest of the mixer and block has ops of its own: [`causal_conv1d`] / [`causal_conv1d_step`]

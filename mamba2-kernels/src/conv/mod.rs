@@ -23,7 +23,7 @@ use candle_core::{
 };
 
 use crate::check::{self, ConvDims};
-use crate::cpu::{f32_view, from_f32, small_f32, update_f32};
+use crate::cpu::{small, to_storage, update, view, wide, CpuArg, Real};
 use crate::slot::Slot;
 
 /// Options shared by [`causal_conv1d`] and [`causal_conv1d_step`].
@@ -35,11 +35,11 @@ pub struct ConvOptions<'a> {
     pub silu: bool,
 }
 
-/// The bias as f32, zeros when absent.
-fn bias_f32(bias: &Option<Tensor>, dim: usize) -> Result<Vec<f32>> {
+/// The bias in the compute type, zeros when absent.
+fn bias_of<T: Real>(bias: &Option<Tensor>, dim: usize) -> Result<Vec<T>> {
     match bias {
-        Some(t) => small_f32(t),
-        None => Ok(vec![0.0; dim]),
+        Some(t) => small(t),
+        None => Ok(vec![T::zero(); dim]),
     }
 }
 
@@ -70,25 +70,12 @@ impl CustomOp3 for CausalConv1d {
         st_s: &CpuStorage,
         st_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let x = f32_view(op, "x", x_s, x_l)?;
-        let w = f32_view(op, "weight", w_s, w_l)?;
-        let st = f32_view(op, "initial_state", st_s, st_l)?;
-        let bias = bias_f32(&self.bias, self.dims.dim)?;
-        let (y, new_state) = cpu::prefill(&x, &w, &st, &bias, self.silu, self.dims);
-        let dtype = x_s.dtype();
-        self.state_out
-            .put(op, Storage::Cpu(from_f32(new_state, dtype)?))?;
-        let mut pieces = cpu::split_rows(&y, self.dims.dim, &self.split).into_iter();
-        let first = pieces.next().unwrap_or_default();
-        for (slot, piece) in self.rest.iter().zip(pieces) {
-            slot.put(op, Storage::Cpu(from_f32(piece, dtype)?))?;
+        let args = [(x_s, x_l), (w_s, w_l), (st_s, st_l)];
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>(args)
+        } else {
+            self.cpu::<f32>(args)
         }
-        let d = self.dims;
-        Ok((
-            from_f32(first, dtype)?,
-            Shape::from((d.batch, d.seqlen, self.split[0])),
-        ))
     }
 
     #[cfg(feature = "cuda")]
@@ -121,6 +108,33 @@ impl CustomOp3 for CausalConv1d {
     }
 }
 
+impl CausalConv1d {
+    fn cpu<T: Real>(
+        &self,
+        [(x_s, x_l), (w_s, w_l), (st_s, st_l)]: [CpuArg; 3],
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = "causal_conv1d";
+        let x = view::<T>(op, "x", x_s, x_l)?;
+        let w = view::<T>(op, "weight", w_s, w_l)?;
+        let st = view::<T>(op, "initial_state", st_s, st_l)?;
+        let bias = bias_of::<T>(&self.bias, self.dims.dim)?;
+        let (y, new_state) = cpu::prefill(&x, &w, &st, &bias, self.silu, self.dims);
+        let dtype = x_s.dtype();
+        self.state_out
+            .put(op, Storage::Cpu(to_storage(new_state, dtype)?))?;
+        let mut pieces = cpu::split_rows(&y, self.dims.dim, &self.split).into_iter();
+        let first = pieces.next().unwrap_or_default();
+        for (slot, piece) in self.rest.iter().zip(pieces) {
+            slot.put(op, Storage::Cpu(to_storage(piece, dtype)?))?;
+        }
+        let d = self.dims;
+        Ok((
+            to_storage(first, dtype)?,
+            Shape::from((d.batch, d.seqlen, self.split[0])),
+        ))
+    }
+}
+
 /// The decode conv, in place on the state, with source `x`; the output is left in `y`.
 #[derive(Debug)]
 struct CausalConv1dStep {
@@ -146,19 +160,11 @@ impl InplaceOp2 for CausalConv1dStep {
         x_s: &CpuStorage,
         x_l: &Layout,
     ) -> Result<()> {
-        let op = self.name();
-        let x = f32_view(op, "x", x_s, x_l)?;
-        let w = small_f32(&self.weight)?;
-        let bias = bias_f32(&self.bias, self.dims.dim)?;
-        let mut y = Vec::new();
-        update_f32(op, "state", st_s, st_l, |st| {
-            y = cpu::step(st, &x, &w, &bias, self.silu, self.dims);
-        })?;
-        let pieces = cpu::split_rows(&y, self.dims.dim, &self.split);
-        for (slot, piece) in self.pieces.iter().zip(pieces) {
-            slot.put(op, Storage::Cpu(from_f32(piece, x_s.dtype())?))?;
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>((st_s, st_l), (x_s, x_l))
+        } else {
+            self.cpu::<f32>((st_s, st_l), (x_s, x_l))
         }
-        Ok(())
     }
 
     #[cfg(feature = "cuda")]
@@ -178,6 +184,28 @@ impl InplaceOp2 for CausalConv1dStep {
         let ys = cuda::causal_conv1d_step(&conv, &self.weight, (st_s, st_l), (x_s, x_l))?;
         for (slot, y) in self.pieces.iter().zip(ys) {
             slot.put(self.name(), Storage::Cuda(y))?;
+        }
+        Ok(())
+    }
+}
+
+impl CausalConv1dStep {
+    fn cpu<T: Real>(
+        &self,
+        (st_s, st_l): (&mut CpuStorage, &Layout),
+        (x_s, x_l): CpuArg,
+    ) -> Result<()> {
+        let op = "causal_conv1d_step";
+        let x = view::<T>(op, "x", x_s, x_l)?;
+        let w = small::<T>(&self.weight)?;
+        let bias = bias_of::<T>(&self.bias, self.dims.dim)?;
+        let mut y = Vec::new();
+        update::<T>(op, "state", st_s, st_l, |st| {
+            y = cpu::step(st, &x, &w, &bias, self.silu, self.dims);
+        })?;
+        let pieces = cpu::split_rows(&y, self.dims.dim, &self.split);
+        for (slot, piece) in self.pieces.iter().zip(pieces) {
+            slot.put(op, Storage::Cpu(to_storage(piece, x_s.dtype())?))?;
         }
         Ok(())
     }

@@ -2,23 +2,25 @@
 
 use rayon::prelude::*;
 
+use crate::cpu::Real;
+
 /// `y [R,N] = x [R,K] · w [N,K]ᵀ (+ bias [N])`.
-pub(super) fn matvec(
-    x: &[f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
+pub(super) fn matvec<T: Real>(
+    x: &[T],
+    w: &[T],
+    bias: Option<&[T]>,
     (rows, k, n): (usize, usize, usize),
-) -> Vec<f32> {
-    let mut y = vec![0f32; rows * n];
+) -> Vec<T> {
+    let mut y = vec![T::zero(); rows * n];
     y.par_chunks_mut(n).enumerate().for_each(|(r, yr)| {
         let xr = &x[r * k..(r + 1) * k];
         for (j, out) in yr.iter_mut().enumerate() {
-            let dot: f32 = xr
+            let dot: T = xr
                 .iter()
                 .zip(&w[j * k..(j + 1) * k])
-                .map(|(a, b)| a * b)
+                .map(|(&a, &b)| a * b)
                 .sum();
-            *out = dot + bias.map_or(0., |b| b[j]);
+            *out = dot + bias.map_or(T::zero(), |b| b[j]);
         }
     });
     y

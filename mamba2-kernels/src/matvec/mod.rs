@@ -19,7 +19,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use crate::check;
-use crate::cpu::{f32_view, from_f32, small_f32};
+use crate::cpu::{small, to_storage, view, wide, CpuArg, Real};
 
 /// The op on `(x, w)`; the bias is held.
 #[derive(Debug)]
@@ -39,14 +39,11 @@ impl CustomOp2 for Matvec {
         w_s: &CpuStorage,
         w_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let x = f32_view(op, "x", x_s, x_l)?;
-        let w = f32_view(op, "w", w_s, w_l)?;
-        let (rows, k) = x_l.shape().dims2()?;
-        let n = w_l.shape().dims2()?.0;
-        let bias = self.bias.as_ref().map(small_f32).transpose()?;
-        let y = cpu::matvec(&x, &w, bias.as_deref(), (rows, k, n));
-        Ok((from_f32(y, x_s.dtype())?, Shape::from((rows, n))))
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>((x_s, x_l), (w_s, w_l))
+        } else {
+            self.cpu::<f32>((x_s, x_l), (w_s, w_l))
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -58,6 +55,19 @@ impl CustomOp2 for Matvec {
         w_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         cuda::matvec((x_s, x_l), (w_s, w_l), self.bias.as_ref())
+    }
+}
+
+impl Matvec {
+    fn cpu<T: Real>(&self, (x_s, x_l): CpuArg, (w_s, w_l): CpuArg) -> Result<(CpuStorage, Shape)> {
+        let op = "matvec";
+        let x = view::<T>(op, "x", x_s, x_l)?;
+        let w = view::<T>(op, "w", w_s, w_l)?;
+        let (rows, k) = x_l.shape().dims2()?;
+        let n = w_l.shape().dims2()?.0;
+        let bias = self.bias.as_ref().map(small::<T>).transpose()?;
+        let y = cpu::matvec(&x, &w, bias.as_deref(), (rows, k, n));
+        Ok((to_storage(y, x_s.dtype())?, Shape::from((rows, n))))
     }
 }
 

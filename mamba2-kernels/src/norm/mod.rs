@@ -37,7 +37,7 @@ use candle_core::{
 };
 
 use crate::check;
-use crate::cpu::{f32_view, from_f32, Held};
+use crate::cpu::{to_storage, view, wide, CpuArg, Held, Real};
 use crate::slot::Slot;
 
 /// The gated norm on `(x, z, weight)`.
@@ -61,12 +61,12 @@ impl CustomOp3 for GatedRmsNorm {
         w_s: &CpuStorage,
         w_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let x = f32_view(op, "x", x_s, x_l)?;
-        let z = f32_view(op, "z", z_s, z_l)?;
-        let w = f32_view(op, "weight", w_s, w_l)?;
-        let y = cpu::gated_rms_norm(&x, &z, &w, self.group_size, self.eps);
-        Ok((from_f32(y, x_s.dtype())?, x_l.shape().clone()))
+        let args = [(x_s, x_l), (z_s, z_l), (w_s, w_l)];
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>(args)
+        } else {
+            self.cpu::<f32>(args)
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -82,6 +82,20 @@ impl CustomOp3 for GatedRmsNorm {
         let (group, eps) = (self.group_size, self.eps);
         let y = cuda::gated_rms_norm((x_s, x_l), (z_s, z_l), (w_s, w_l), group, eps)?;
         Ok((y, x_l.shape().clone()))
+    }
+}
+
+impl GatedRmsNorm {
+    fn cpu<T: Real>(
+        &self,
+        [(x_s, x_l), (z_s, z_l), (w_s, w_l)]: [CpuArg; 3],
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = "gated_rms_norm";
+        let x = view::<T>(op, "x", x_s, x_l)?;
+        let z = view::<T>(op, "z", z_s, z_l)?;
+        let w = view::<T>(op, "weight", w_s, w_l)?;
+        let y = cpu::gated_rms_norm(&x, &z, &w, self.group_size, T::of(self.eps));
+        Ok((to_storage(y, x_s.dtype())?, x_l.shape().clone()))
     }
 }
 
@@ -154,15 +168,11 @@ impl CustomOp2 for AddRmsNorm {
         w_s: &CpuStorage,
         w_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let mut sum = f32_view(op, "x", x_s, x_l)?.into_owned();
-        let w = f32_view(op, "weight", w_s, w_l)?;
-        let held = self.residual.as_ref().map(Held::new);
-        let residual = held.as_ref().map(|h| h.f32(op, "residual")).transpose()?;
-        let y = cpu::add_rms_norm(&mut sum, residual.as_deref(), &w, self.eps);
-        self.residual_out
-            .put(op, Storage::Cpu(from_f32(sum, self.residual_dtype)?))?;
-        Ok((from_f32(y, x_s.dtype())?, x_l.shape().clone()))
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>((x_s, x_l), (w_s, w_l))
+        } else {
+            self.cpu::<f32>((x_s, x_l), (w_s, w_l))
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -177,6 +187,23 @@ impl CustomOp2 for AddRmsNorm {
         let (y, r) = cuda::add_rms_norm((x_s, x_l), (w_s, w_l), residual, self.eps)?;
         self.residual_out.put(self.name(), Storage::Cuda(r))?;
         Ok((y, x_l.shape().clone()))
+    }
+}
+
+impl AddRmsNorm {
+    fn cpu<T: Real>(&self, (x_s, x_l): CpuArg, (w_s, w_l): CpuArg) -> Result<(CpuStorage, Shape)> {
+        let op = "add_rms_norm";
+        let mut sum = view::<T>(op, "x", x_s, x_l)?.into_owned();
+        let w = view::<T>(op, "weight", w_s, w_l)?;
+        let held = self.residual.as_ref().map(Held::new);
+        let residual = held
+            .as_ref()
+            .map(|h| h.view::<T>(op, "residual"))
+            .transpose()?;
+        let y = cpu::add_rms_norm(&mut sum, residual.as_deref(), &w, T::of(self.eps));
+        self.residual_out
+            .put(op, Storage::Cpu(to_storage(sum, self.residual_dtype)?))?;
+        Ok((to_storage(y, x_s.dtype())?, x_l.shape().clone()))
     }
 }
 

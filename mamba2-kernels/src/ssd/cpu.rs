@@ -1,24 +1,25 @@
-//! The three SSD stages on the CPU, on contiguous f32 slices (the layouts of the module doc),
-//! parallel over (batch, head) or (batch, chunk) with rayon; the chunk products are strided
-//! single-threaded GEMMs ([`crate::cpu::gemm`]).
+//! The three SSD stages on the CPU, on contiguous slices of the compute type (f32, or f64 for
+//! f64 values; the layouts of the module doc), parallel over (batch, head) or (batch, chunk)
+//! with rayon; the chunk products are strided single-threaded GEMMs ([`crate::cpu::gemm`]).
 
 use rayon::prelude::*;
 
 use crate::check::SsdDims;
-use crate::cpu::{gemm, MatMut, MatRef};
+use crate::cpu::{gemm, MatMut, MatRef, Real};
 use crate::dt::{self, DtRule};
 
 /// Stage 1: `[dt_out; da_cumsum]`, each `[B,H,L]`, from raw `dt [B,L,H]`, `a [H]` and the bias
 /// `[H]` (zeros when absent).
-pub(super) fn chunk_cumsum(
-    dt_in: &[f32],
+pub(super) fn chunk_cumsum<T: Real>(
+    dt_in: &[T],
     (batch, seqlen, nheads): (usize, usize, usize),
-    a: &[f32],
-    bias: &[f32],
+    a: &[T],
+    bias: &[T],
     rule: DtRule,
     chunk: usize,
-) -> Vec<f32> {
-    let mut out = vec![0f32; 2 * batch * nheads * seqlen];
+) -> Vec<T> {
+    let log2e = T::from_f64(std::f64::consts::LOG2_E).unwrap_or_else(T::nan);
+    let mut out = vec![T::zero(); 2 * batch * nheads * seqlen];
     let (dt_out, da_out) = out.split_at_mut(batch * nheads * seqlen);
     dt_out
         .par_chunks_mut(seqlen)
@@ -26,15 +27,15 @@ pub(super) fn chunk_cumsum(
         .enumerate()
         .for_each(|(bh, (dts, das))| {
             let (bi, h) = (bh / nheads, bh % nheads);
-            let mut acc = 0f32;
+            let mut acc = T::zero();
             for (l, (dto, dao)) in dts.iter_mut().zip(das.iter_mut()).enumerate() {
                 if l % chunk == 0 {
-                    acc = 0.0;
+                    acc = T::zero();
                 }
                 let v = dt::process(dt_in[(bi * seqlen + l) * nheads + h], bias[h], rule);
                 acc += a[h] * v;
                 *dto = v;
-                *dao = acc * std::f32::consts::LOG2_E;
+                *dao = acc * log2e;
             }
         });
     out
@@ -42,13 +43,13 @@ pub(super) fn chunk_cumsum(
 
 /// Stage 2: the chunk states `[B,H,C+1,P,N]` from `x`, `b`, stage 1's `dt_out` and `da_cumsum`
 /// and the initial state `[B,H,P,N]` (zeros when absent).
-pub(super) fn chunk_states(
-    (x, b): (&[f32], &[f32]),
-    (dt, da): (&[f32], &[f32]),
-    init: Option<&[f32]>,
+pub(super) fn chunk_states<T: Real>(
+    (x, b): (&[T], &[T]),
+    (dt, da): (&[T], &[T]),
+    init: Option<&[T]>,
     dims: &SsdDims,
     chunk: usize,
-) -> Vec<f32> {
+) -> Vec<T> {
     let SsdDims {
         seqlen,
         nheads,
@@ -59,7 +60,7 @@ pub(super) fn chunk_states(
     } = *dims;
     let (t, hpg, nchunks) = (chunk, dims.heads_per_group(), dims.nchunks(chunk));
     let pn = headdim * dstate;
-    let mut states = vec![0f32; dims.chunk_states_len(t)];
+    let mut states = vec![T::zero(); dims.chunk_states_len(t)];
     states
         .par_chunks_mut((nchunks + 1) * pn)
         .enumerate()
@@ -69,7 +70,7 @@ pub(super) fn chunk_states(
             if let Some(init) = init {
                 st[..pn].copy_from_slice(&init[bh * pn..(bh + 1) * pn]);
             }
-            let mut w = vec![0f32; t.min(seqlen) * dstate];
+            let mut w = vec![T::zero(); t.min(seqlen) * dstate];
             for c in 0..nchunks {
                 let l0 = c * t;
                 let tc = t.min(seqlen - l0);
@@ -80,7 +81,7 @@ pub(super) fn chunk_states(
                     let scale = (d_last - d[s]).exp2() * dtv[s];
                     let bs = ((bi * seqlen + l0 + s) * ngroups + g) * dstate;
                     for (wv, bv) in w[s * dstate..(s + 1) * dstate].iter_mut().zip(&b[bs..]) {
-                        *wv = bv * scale;
+                        *wv = *bv * scale;
                     }
                 }
                 let (prev, next) = st[c * pn..(c + 2) * pn].split_at_mut(pn);
@@ -111,7 +112,7 @@ pub(super) fn chunk_states(
 }
 
 /// The final states `[B,H,P,N]`: entry C of every (batch, head) of the chunk states.
-pub(super) fn final_states(states: &[f32], dims: &SsdDims, chunk: usize) -> Vec<f32> {
+pub(super) fn final_states<T: Real>(states: &[T], dims: &SsdDims, chunk: usize) -> Vec<T> {
     let (pn, nchunks) = (dims.headdim * dims.dstate, dims.nchunks(chunk));
     states
         .chunks(pn)
@@ -124,23 +125,23 @@ pub(super) fn final_states(states: &[f32], dims: &SsdDims, chunk: usize) -> Vec<
 
 /// Stage 3's inputs besides the chunk states: x, b, c, stage 1's outputs, D (`[H]` or `[H,P]`)
 /// and z.
-pub(super) struct OutInputs<'a> {
-    pub x: &'a [f32],
-    pub b: &'a [f32],
-    pub c: &'a [f32],
-    pub dt: &'a [f32],
-    pub da: &'a [f32],
-    pub d: Option<&'a [f32]>,
-    pub z: Option<&'a [f32]>,
+pub(super) struct OutInputs<'a, T> {
+    pub x: &'a [T],
+    pub b: &'a [T],
+    pub c: &'a [T],
+    pub dt: &'a [T],
+    pub da: &'a [T],
+    pub d: Option<&'a [T]>,
+    pub z: Option<&'a [T]>,
 }
 
 /// Stage 3: `y [B,L,H,P]` from the chunk states `[B,H,C+1,P,N]`.
-pub(super) fn compute_out(
-    inp: &OutInputs,
-    states: &[f32],
+pub(super) fn compute_out<T: Real>(
+    inp: &OutInputs<T>,
+    states: &[T],
     dims: &SsdDims,
     chunk: usize,
-) -> Vec<f32> {
+) -> Vec<T> {
     let SsdDims {
         batch,
         seqlen,
@@ -161,14 +162,14 @@ pub(super) fn compute_out(
         z,
     } = *inp;
     let d_per_channel = d.is_some_and(|d| d.len() == hp);
-    let mut y = vec![0f32; batch * seqlen * hp];
+    let mut y = vec![T::zero(); batch * seqlen * hp];
     y.par_chunks_mut(seqlen * hp)
         .enumerate()
         .for_each(|(bi, yb)| {
             yb.par_chunks_mut(t * hp).enumerate().for_each(|(ci, yc)| {
                 let (l0, tc) = (ci * t, yc.len() / hp);
-                let mut cb = vec![0f32; tc * tc];
-                let mut m = vec![0f32; tc * tc];
+                let mut cb = vec![T::zero(); tc * tc];
+                let mut m = vec![T::zero(); tc * tc];
                 let bc0 = (bi * seqlen + l0) * gn;
                 for g in 0..ngroups {
                     let cg = MatRef {
@@ -222,7 +223,7 @@ pub(super) fn compute_out(
                             for s in 0..=tt {
                                 mrow[s] = cb[tt * tc + s] * (d_t[tt] - d_t[s]).exp2() * dtv[s];
                             }
-                            mrow[tt + 1..].fill(0.0);
+                            mrow[tt + 1..].fill(T::zero());
                         }
                         let x0 = ((bi * seqlen + l0) * nheads + h) * headdim;
                         gemm(
@@ -242,7 +243,7 @@ pub(super) fn compute_out(
                                 rs: hp,
                                 cs: 1,
                             },
-                            Some(1.0),
+                            Some(T::one()),
                         );
                         for tt in 0..tc {
                             let o = tt * hp + h * headdim;
@@ -259,7 +260,7 @@ pub(super) fn compute_out(
                                 }
                                 if let Some(z) = z {
                                     let zv = z[xo + p];
-                                    v *= zv / (1.0 + (-zv).exp());
+                                    v *= zv / (T::one() + (-zv).exp());
                                 }
                                 yc[o + p] = v;
                             }

@@ -30,9 +30,9 @@ mod stages;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
-use half::bf16;
 
 use crate::check::{self, SsdDims};
+use crate::cpu::{round_to, small, to_storage, view, wide, CpuArg, Held, Real};
 use crate::dt::DtRule;
 use crate::slot::Slot;
 use crate::DtOptions;
@@ -103,56 +103,12 @@ impl CustomOp3 for Ssd {
         c_s: &CpuStorage,
         c_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use crate::cpu::{f32_view, from_f32, small_f32, Held};
-        let (op, dims, chunk) = (self.name(), &self.dims, self.chunk_size);
-        let (x, b, c) = (
-            f32_view(op, "x", x_s, x_l)?,
-            f32_view(op, "b", b_s, b_l)?,
-            f32_view(op, "c", c_s, c_l)?,
-        );
-        let held = (
-            Held::new(&self.dt),
-            self.z.as_ref().map(Held::new),
-            self.init.as_ref().map(Held::new),
-        );
-        let dt_in = held.0.f32(op, "dt")?;
-        let z = held.1.as_ref().map(|h| h.f32(op, "z")).transpose()?;
-        let init = held
-            .2
-            .as_ref()
-            .map(|h| h.f32(op, "initial_state"))
-            .transpose()?;
-        let bias = match &self.dt_bias {
-            Some(t) => small_f32(t)?,
-            None => vec![0.0; dims.nheads],
-        };
-        let d = self.d.as_ref().map(small_f32).transpose()?;
-        let shape = (dims.batch, dims.seqlen, dims.nheads);
-        let a = small_f32(&self.a)?;
-        let steps = cpu::chunk_cumsum(&dt_in, shape, &a, &bias, self.rule, chunk);
-        let (dt, da) = steps.split_at(steps.len() / 2);
-        let mut states = cpu::chunk_states((&x, &b), (dt, da), init.as_deref(), dims, chunk);
-        // compute_out reads the chunk states as stored: rounded when they are bf16.
-        if self.state_dtype == DType::BF16 {
-            states
-                .iter_mut()
-                .for_each(|v| *v = bf16::from_f32(*v).to_f32());
+        let args = [(x_s, x_l), (b_s, b_l), (c_s, c_l)];
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>(args)
+        } else {
+            self.cpu::<f32>(args)
         }
-        let last = cpu::final_states(&states, dims, chunk);
-        self.final_state
-            .put(op, Storage::Cpu(from_f32(last, self.state_dtype)?))?;
-        let inputs = cpu::OutInputs {
-            x: &x,
-            b: &b,
-            c: &c,
-            dt,
-            da,
-            d: d.as_deref(),
-            z: z.as_deref(),
-        };
-        let y = cpu::compute_out(&inputs, &states, dims, chunk);
-        let y_shape = Shape::from((dims.batch, dims.seqlen, dims.nheads, dims.headdim));
-        Ok((from_f32(y, x_s.dtype())?, y_shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -184,6 +140,60 @@ impl CustomOp3 for Ssd {
         self.final_state.put(self.name(), Storage::Cuda(last))?;
         let d = &self.dims;
         Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
+    }
+}
+
+impl Ssd {
+    /// The CPU forward in the compute type `T`.
+    fn cpu<T: Real>(
+        &self,
+        [(x_s, x_l), (b_s, b_l), (c_s, c_l)]: [CpuArg; 3],
+    ) -> Result<(CpuStorage, Shape)> {
+        let (op, dims, chunk) = ("ssd", &self.dims, self.chunk_size);
+        let (x, b, c) = (
+            view::<T>(op, "x", x_s, x_l)?,
+            view::<T>(op, "b", b_s, b_l)?,
+            view::<T>(op, "c", c_s, c_l)?,
+        );
+        let held = (
+            Held::new(&self.dt),
+            self.z.as_ref().map(Held::new),
+            self.init.as_ref().map(Held::new),
+        );
+        let dt_in = held.0.view::<T>(op, "dt")?;
+        let z = held.1.as_ref().map(|h| h.view::<T>(op, "z")).transpose()?;
+        let init = held
+            .2
+            .as_ref()
+            .map(|h| h.view::<T>(op, "initial_state"))
+            .transpose()?;
+        let bias = match &self.dt_bias {
+            Some(t) => small::<T>(t)?,
+            None => vec![T::zero(); dims.nheads],
+        };
+        let d = self.d.as_ref().map(small::<T>).transpose()?;
+        let shape = (dims.batch, dims.seqlen, dims.nheads);
+        let a = small::<T>(&self.a)?;
+        let steps = cpu::chunk_cumsum(&dt_in, shape, &a, &bias, self.rule, chunk);
+        let (dt, da) = steps.split_at(steps.len() / 2);
+        let mut states = cpu::chunk_states((&x, &b), (dt, da), init.as_deref(), dims, chunk);
+        // compute_out reads the chunk states as stored: rounded to the state dtype.
+        round_to(&mut states, self.state_dtype);
+        let last = cpu::final_states(&states, dims, chunk);
+        self.final_state
+            .put(op, Storage::Cpu(to_storage(last, self.state_dtype)?))?;
+        let inputs = cpu::OutInputs {
+            x: &x,
+            b: &b,
+            c: &c,
+            dt,
+            da,
+            d: d.as_deref(),
+            z: z.as_deref(),
+        };
+        let y = cpu::compute_out(&inputs, &states, dims, chunk);
+        let y_shape = Shape::from((dims.batch, dims.seqlen, dims.nheads, dims.headdim));
+        Ok((to_storage(y, x_s.dtype())?, y_shape))
     }
 }
 
@@ -241,7 +251,7 @@ pub fn ssd(
     dims.like_b(op, "c", c, x)?;
     opts.dt.check(op, x, dims.nheads)?;
     dims.check_chunking(op, opts.chunk_size)?;
-    check::state_dtype(op, "state_dtype", opts.state_dtype)?;
+    check::state_dtype(op, "state_dtype", opts.state_dtype, x.device())?;
     if let Some(d) = opts.d {
         check::skip_param(op, d, x, dims.nheads, dims.headdim)?;
     }

@@ -8,7 +8,7 @@ use super::cpu;
 #[cfg(feature = "cuda")]
 use super::cuda;
 use crate::check::{self, SsdDims};
-use crate::cpu::{f32_view, from_f32, small_f32, Held};
+use crate::cpu::{small, to_storage, view, wide, CpuArg, Held, Real};
 use crate::dt::DtRule;
 use crate::DtOptions;
 
@@ -32,20 +32,11 @@ impl CustomOp2 for ChunkCumsum {
         a_s: &CpuStorage,
         a_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let (batch, seqlen, nheads) = dt_l.shape().dims3()?;
-        let dt = f32_view(op, "dt", dt_s, dt_l)?;
-        let a = f32_view(op, "a", a_s, a_l)?;
-        let bias = match &self.dt_bias {
-            Some(t) => small_f32(t)?,
-            None => vec![0.0; nheads],
-        };
-        let dims = (batch, seqlen, nheads);
-        let out = cpu::chunk_cumsum(&dt, dims, &a, &bias, self.rule, self.chunk_size);
-        Ok((
-            CpuStorage::F32(out),
-            Shape::from((2, batch, nheads, seqlen)),
-        ))
+        if wide(dt_s.dtype()) {
+            self.cpu::<f64>((dt_s, dt_l), (a_s, a_l))
+        } else {
+            self.cpu::<f32>((dt_s, dt_l), (a_s, a_l))
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -58,6 +49,34 @@ impl CustomOp2 for ChunkCumsum {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (bias, rule, chunk) = (self.dt_bias.as_ref(), self.rule, self.chunk_size);
         cuda::chunk_cumsum((dt_s, dt_l), (a_s, a_l), bias, rule, chunk)
+    }
+}
+
+impl ChunkCumsum {
+    fn cpu<T: Real>(
+        &self,
+        (dt_s, dt_l): CpuArg,
+        (a_s, a_l): CpuArg,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = "chunk_cumsum";
+        let (batch, seqlen, nheads) = dt_l.shape().dims3()?;
+        let dt = view::<T>(op, "dt", dt_s, dt_l)?;
+        let a = view::<T>(op, "a", a_s, a_l)?;
+        let bias = match &self.dt_bias {
+            Some(t) => small::<T>(t)?,
+            None => vec![T::zero(); nheads],
+        };
+        let dims = (batch, seqlen, nheads);
+        let out = cpu::chunk_cumsum(&dt, dims, &a, &bias, self.rule, self.chunk_size);
+        let dtype = if wide(dt_s.dtype()) {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        Ok((
+            to_storage(out, dtype)?,
+            Shape::from((2, batch, nheads, seqlen)),
+        ))
     }
 }
 
@@ -126,24 +145,12 @@ impl CustomOp3 for FwdPassState {
         dt_s: &CpuStorage,
         dt_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (op, d) = (self.name(), &self.dims);
-        let x = f32_view(op, "x", x_s, x_l)?;
-        let b = f32_view(op, "b", b_s, b_l)?;
-        let dt = f32_view(op, "dt_out", dt_s, dt_l)?;
-        let held = (
-            Held::new(&self.da_cumsum),
-            self.init.as_ref().map(Held::new),
-        );
-        let da = held.0.f32(op, "da_cumsum")?;
-        let init = held
-            .1
-            .as_ref()
-            .map(|h| h.f32(op, "init_state"))
-            .transpose()?;
-        let states = cpu::chunk_states((&x, &b), (&dt, &da), init.as_deref(), d, self.chunk_size);
-        let nc = d.nchunks(self.chunk_size);
-        let shape = Shape::from((d.batch, d.nheads, nc + 1, d.headdim, d.dstate));
-        Ok((from_f32(states, self.state_dtype)?, shape))
+        let args = [(x_s, x_l), (b_s, b_l), (dt_s, dt_l)];
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>(args)
+        } else {
+            self.cpu::<f32>(args)
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -167,6 +174,32 @@ impl CustomOp3 for FwdPassState {
             state_dtype: self.state_dtype,
         };
         cuda::fwd_pass_state(&pass)
+    }
+}
+
+impl FwdPassState {
+    fn cpu<T: Real>(
+        &self,
+        [(x_s, x_l), (b_s, b_l), (dt_s, dt_l)]: [CpuArg; 3],
+    ) -> Result<(CpuStorage, Shape)> {
+        let (op, d) = ("fwd_pass_state", &self.dims);
+        let x = view::<T>(op, "x", x_s, x_l)?;
+        let b = view::<T>(op, "b", b_s, b_l)?;
+        let dt = view::<T>(op, "dt_out", dt_s, dt_l)?;
+        let held = (
+            Held::new(&self.da_cumsum),
+            self.init.as_ref().map(Held::new),
+        );
+        let da = held.0.view::<T>(op, "da_cumsum")?;
+        let init = held
+            .1
+            .as_ref()
+            .map(|h| h.view::<T>(op, "init_state"))
+            .transpose()?;
+        let states = cpu::chunk_states((&x, &b), (&dt, &da), init.as_deref(), d, self.chunk_size);
+        let nc = d.nchunks(self.chunk_size);
+        let shape = Shape::from((d.batch, d.nheads, nc + 1, d.headdim, d.dstate));
+        Ok((to_storage(states, self.state_dtype)?, shape))
     }
 }
 
@@ -209,7 +242,7 @@ pub fn fwd_pass_state(
         dims.state(op, "init_state", s, x)?;
     }
     dims.check_chunking(op, chunk_size)?;
-    check::state_dtype(op, "state_dtype", state_dtype)?;
+    check::state_dtype(op, "state_dtype", state_dtype, x.device())?;
     let stage = FwdPassState {
         da_cumsum: da_cumsum.contiguous()?,
         init: init_state
@@ -249,33 +282,12 @@ impl CustomOp3 for ComputeOut {
         st_s: &CpuStorage,
         st_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (op, d) = (self.name(), &self.dims);
-        let x = f32_view(op, "x", x_s, x_l)?;
-        let c = f32_view(op, "c", c_s, c_l)?;
-        let states = f32_view(op, "states", st_s, st_l)?;
-        let held = (
-            Held::new(&self.b),
-            Held::new(&self.dt_out),
-            Held::new(&self.da_cumsum),
-            self.z.as_ref().map(Held::new),
-        );
-        let b = held.0.f32(op, "b")?;
-        let dt = held.1.f32(op, "dt_out")?;
-        let da = held.2.f32(op, "da_cumsum")?;
-        let z = held.3.as_ref().map(|h| h.f32(op, "z")).transpose()?;
-        let skip = self.d.as_ref().map(small_f32).transpose()?;
-        let inputs = cpu::OutInputs {
-            x: &x,
-            b: &b,
-            c: &c,
-            dt: &dt,
-            da: &da,
-            d: skip.as_deref(),
-            z: z.as_deref(),
-        };
-        let y = cpu::compute_out(&inputs, &states, d, self.chunk_size);
-        let shape = Shape::from((d.batch, d.seqlen, d.nheads, d.headdim));
-        Ok((from_f32(y, x_s.dtype())?, shape))
+        let args = [(x_s, x_l), (c_s, c_l), (st_s, st_l)];
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>(args)
+        } else {
+            self.cpu::<f32>(args)
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -301,6 +313,41 @@ impl CustomOp3 for ComputeOut {
             chunk_size: self.chunk_size,
         };
         cuda::compute_out(&pass)
+    }
+}
+
+impl ComputeOut {
+    fn cpu<T: Real>(
+        &self,
+        [(x_s, x_l), (c_s, c_l), (st_s, st_l)]: [CpuArg; 3],
+    ) -> Result<(CpuStorage, Shape)> {
+        let (op, d) = ("compute_out", &self.dims);
+        let x = view::<T>(op, "x", x_s, x_l)?;
+        let c = view::<T>(op, "c", c_s, c_l)?;
+        let states = view::<T>(op, "states", st_s, st_l)?;
+        let held = (
+            Held::new(&self.b),
+            Held::new(&self.dt_out),
+            Held::new(&self.da_cumsum),
+            self.z.as_ref().map(Held::new),
+        );
+        let b = held.0.view::<T>(op, "b")?;
+        let dt = held.1.view::<T>(op, "dt_out")?;
+        let da = held.2.view::<T>(op, "da_cumsum")?;
+        let z = held.3.as_ref().map(|h| h.view::<T>(op, "z")).transpose()?;
+        let skip = self.d.as_ref().map(small::<T>).transpose()?;
+        let inputs = cpu::OutInputs {
+            x: &x,
+            b: &b,
+            c: &c,
+            dt: &dt,
+            da: &da,
+            d: skip.as_deref(),
+            z: z.as_deref(),
+        };
+        let y = cpu::compute_out(&inputs, &states, d, self.chunk_size);
+        let shape = Shape::from((d.batch, d.seqlen, d.nheads, d.headdim));
+        Ok((to_storage(y, x_s.dtype())?, shape))
     }
 }
 
@@ -352,7 +399,7 @@ pub fn compute_out(
     let (h, p, n) = (dims.nheads, dims.headdim, dims.dstate);
     let want = [dims.batch, h, dims.nchunks(chunk_size) + 1, p, n];
     check::shape(op, "states", states, &want, "[B, H, C+1, P, N]")?;
-    check::state_dtype(op, "states", states.dtype())?;
+    check::state_dtype(op, "states", states.dtype(), states.device())?;
     if let Some(d) = d {
         check::skip_param(op, d, x, h, p)?;
     }

@@ -1,35 +1,36 @@
 //! The decode step on the CPU: every (batch, head) in parallel, its state rows updated in place
-//! in f32 (bf16 states are read and rounded back per element).
+//! in the compute type (states of another type are read and rounded back per element).
 
 use rayon::prelude::*;
 
 use crate::check::SsdDims;
+use crate::cpu::Real;
 use crate::dt::{self, DtRule};
 
 /// One step's inputs as f32 slices: `x [B,H,P]`, raw `dt [B,H]`, `a`, `bias [H]`, `b, c [B,G,N]`,
 /// `z [B,H,P]`, `d [H]` or `[H,P]`.
-pub(super) struct Step<'a> {
-    pub x: &'a [f32],
-    pub dt: &'a [f32],
-    pub a: &'a [f32],
-    pub bias: &'a [f32],
-    pub b: &'a [f32],
-    pub c: &'a [f32],
-    pub z: Option<&'a [f32]>,
-    pub d: Option<&'a [f32]>,
+pub(super) struct Step<'a, T> {
+    pub x: &'a [T],
+    pub dt: &'a [T],
+    pub a: &'a [T],
+    pub bias: &'a [T],
+    pub b: &'a [T],
+    pub c: &'a [T],
+    pub z: Option<&'a [T]>,
+    pub d: Option<&'a [T]>,
     pub rule: DtRule,
     pub dims: SsdDims,
 }
 
-impl Step<'_> {
+impl<T: Real> Step<'_, T> {
     /// Updates the state of (batch, head) `bh` in place and writes its output row `yh [P]`.
     fn head<S: Copy>(
         &self,
         bh: usize,
         st: &mut [S],
-        yh: &mut [f32],
-        load: impl Fn(S) -> f32,
-        store: impl Fn(f32) -> S,
+        yh: &mut [T],
+        load: impl Fn(S) -> T,
+        store: impl Fn(T) -> S,
     ) {
         let SsdDims {
             nheads,
@@ -46,8 +47,8 @@ impl Step<'_> {
         let cn = &self.c[(bi * ngroups + g) * dstate..][..dstate];
         for (p, (yv, row)) in yh.iter_mut().zip(st.chunks_exact_mut(dstate)).enumerate() {
             let xv = self.x[bh * headdim + p];
-            let mut acc = 0f32;
-            for ((s, bv), cv) in row.iter_mut().zip(bn).zip(cn) {
+            let mut acc = T::zero();
+            for ((s, &bv), &cv) in row.iter_mut().zip(bn).zip(cn) {
                 let v = load(*s) * decay + dtv * xv * bv;
                 *s = store(v);
                 acc += v * cv;
@@ -62,7 +63,7 @@ impl Step<'_> {
             }
             if let Some(z) = self.z {
                 let zv = z[bh * headdim + p];
-                acc *= zv / (1.0 + (-zv).exp());
+                acc *= zv / (T::one() + (-zv).exp());
             }
             *yv = acc;
         }
@@ -73,11 +74,11 @@ impl Step<'_> {
     pub fn run<S: Copy + Send>(
         &self,
         states: &mut [S],
-        load: impl Fn(S) -> f32 + Sync,
-        store: impl Fn(f32) -> S + Sync,
-    ) -> Vec<f32> {
+        load: impl Fn(S) -> T + Sync,
+        store: impl Fn(T) -> S + Sync,
+    ) -> Vec<T> {
         let (pn, headdim) = (self.dims.headdim * self.dims.dstate, self.dims.headdim);
-        let mut y = vec![0f32; self.x.len()];
+        let mut y = vec![T::zero(); self.x.len()];
         states
             .par_chunks_mut(pn)
             .zip(y.par_chunks_mut(headdim))

@@ -16,7 +16,7 @@ use candle_core::{bail, CpuStorage, InplaceOp3, Layout, Result, Storage, Tensor}
 use half::bf16;
 
 use crate::check::{self, SsdDims};
-use crate::cpu::{f32_view, from_f32, small_f32, Held};
+use crate::cpu::{small, to_storage, view, wide, CpuArg, Held, Real};
 use crate::dt::DtRule;
 use crate::slot::Slot;
 use crate::DtOptions;
@@ -57,44 +57,12 @@ impl InplaceOp3 for SsdStep {
         dt_s: &CpuStorage,
         dt_l: &Layout,
     ) -> Result<()> {
-        let op = self.name();
-        let x = f32_view(op, "x", x_s, x_l)?;
-        let dt = f32_view(op, "dt", dt_s, dt_l)?;
-        let held = (
-            Held::new(&self.b),
-            Held::new(&self.c),
-            self.z.as_ref().map(Held::new),
-        );
-        let b = held.0.f32(op, "b")?;
-        let c = held.1.f32(op, "c")?;
-        let z = held.2.as_ref().map(|h| h.f32(op, "z")).transpose()?;
-        let a = small_f32(&self.a)?;
-        let bias = match &self.dt_bias {
-            Some(t) => small_f32(t)?,
-            None => vec![0.0; self.dims.nheads],
-        };
-        let d = self.d.as_ref().map(small_f32).transpose()?;
-        let Some((start, end)) = st_l.contiguous_offsets() else {
-            bail!("{op}: state must be contiguous to be updated in place")
-        };
-        let step = cpu::Step {
-            x: &x,
-            dt: &dt,
-            a: &a,
-            bias: &bias,
-            b: &b,
-            c: &c,
-            z: z.as_deref(),
-            d: d.as_deref(),
-            rule: self.rule,
-            dims: self.dims,
-        };
-        let y = match st_s {
-            CpuStorage::F32(v) => step.run(&mut v[start..end], |s| s, |s| s),
-            CpuStorage::BF16(v) => step.run(&mut v[start..end], bf16::to_f32, bf16::from_f32),
-            other => bail!("{op}: state must be f32 or bf16, got {:?}", other.dtype()),
-        };
-        self.y.put(op, Storage::Cpu(from_f32(y, x_s.dtype())?))
+        let (state, x, dt) = ((st_s, st_l), (x_s, x_l), (dt_s, dt_l));
+        if wide(x_s.dtype()) {
+            self.cpu::<f64>(state, x, dt)
+        } else {
+            self.cpu::<f32>(state, x, dt)
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -119,6 +87,66 @@ impl InplaceOp3 for SsdStep {
         };
         let y = cuda::ssd_step(&step, (st_s, st_l), (x_s, x_l), (dt_s, dt_l))?;
         self.y.put(self.name(), Storage::Cuda(y))
+    }
+}
+
+impl SsdStep {
+    fn cpu<T: Real>(
+        &self,
+        (st_s, st_l): (&mut CpuStorage, &Layout),
+        (x_s, x_l): CpuArg,
+        (dt_s, dt_l): CpuArg,
+    ) -> Result<()> {
+        let op = "ssd_step";
+        let x = view::<T>(op, "x", x_s, x_l)?;
+        let dt = view::<T>(op, "dt", dt_s, dt_l)?;
+        let held = (
+            Held::new(&self.b),
+            Held::new(&self.c),
+            self.z.as_ref().map(Held::new),
+        );
+        let b = held.0.view::<T>(op, "b")?;
+        let c = held.1.view::<T>(op, "c")?;
+        let z = held.2.as_ref().map(|h| h.view::<T>(op, "z")).transpose()?;
+        let a = small::<T>(&self.a)?;
+        let bias = match &self.dt_bias {
+            Some(t) => small::<T>(t)?,
+            None => vec![T::zero(); self.dims.nheads],
+        };
+        let d = self.d.as_ref().map(small::<T>).transpose()?;
+        let Some((start, end)) = st_l.contiguous_offsets() else {
+            bail!("{op}: state must be contiguous to be updated in place")
+        };
+        let step = cpu::Step {
+            x: &x,
+            dt: &dt,
+            a: &a,
+            bias: &bias,
+            b: &b,
+            c: &c,
+            z: z.as_deref(),
+            d: d.as_deref(),
+            rule: self.rule,
+            dims: self.dims,
+        };
+        let y = match st_s {
+            CpuStorage::F32(v) => step.run(&mut v[start..end], T::of, T::as_f32),
+            CpuStorage::F64(v) => step.run(
+                &mut v[start..end],
+                |s| T::from_f64(s).unwrap_or_else(T::nan),
+                T::as_f64,
+            ),
+            CpuStorage::BF16(v) => step.run(
+                &mut v[start..end],
+                |s| T::of(s.to_f32()),
+                |t| bf16::from_f64(t.as_f64()),
+            ),
+            other => bail!(
+                "{op}: state must be f32, f64 or bf16, got {:?}",
+                other.dtype()
+            ),
+        };
+        self.y.put(op, Storage::Cpu(to_storage(y, x_s.dtype())?))
     }
 }
 
