@@ -17,14 +17,20 @@
 //! states `[B,H,C+1,P,N]` (entry c enters chunk c, entry C is the final state) and states
 //! `[B,H,P,N]` in f32 or bf16. Values are f32, f16 or bf16; arithmetic accumulates in f32.
 //!
-//! On the CPU `ssd` runs the three stages' functions (`cpu`); on CUDA one launcher queues the
+//! Gradients: when any input takes part in one (`Tensor::track_op`), `ssd` runs as an op candle
+//! records (`autograd`), whose backward (`grad`) gives the gradients of x, dt (through dt_bias,
+//! softplus and the dt_limit clamp), a, b, c, D, z and the initial state, from those of y and the
+//! final state; it runs on the CPU. Otherwise:
+//! on the CPU `ssd` runs the three stages' functions (`cpu`); on CUDA one launcher queues the
 //! kernels of all three back to back (`cuda`: stage 1 inside the state pass's first kernel where
 //! it pays, the intermediates in scratch memory kept per stream), so that a call spends little
 //! host time before its first kernel and compute_out starts while the state pass drains.
 
+mod autograd;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod grad;
 mod plan;
 mod stages;
 
@@ -260,6 +266,13 @@ pub fn ssd(
     }
     if let Some(s) = opts.initial_state {
         dims.state(op, "initial_state", s, x)?;
+    }
+    let optional = [opts.d, opts.z, opts.initial_state, opts.dt.bias];
+    let inputs = [x, dt, a, b, c]
+        .into_iter()
+        .chain(optional.into_iter().flatten());
+    if inputs.into_iter().any(Tensor::track_op) {
+        return autograd::ssd((x, dt, a, b, c), opts, dims);
     }
     let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
     let init = opts
