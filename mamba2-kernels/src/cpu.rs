@@ -311,3 +311,33 @@ pub(crate) fn gemm<T: Real>(
         )
     }
 }
+
+/// The values of a tensor read to the host in the compute type: the inputs of a backward, which
+/// runs on the CPU only (a tensor elsewhere is an error naming the op).
+pub(crate) fn host<T: Real>(op: &str, name: &str, t: &Tensor) -> Result<Vec<T>> {
+    if !t.device().is_cpu() {
+        bail!(
+            "{op}: no CUDA backward yet; compute gradients on the CPU ({name} is on {:?})",
+            t.device().location()
+        )
+    }
+    let t = t.contiguous()?;
+    let held = Held::new(&t);
+    let v = held.view::<T>(op, name)?.into_owned();
+    Ok(v)
+}
+
+/// `v` as the gradient of `arg` (a CPU tensor of its dtype and shape), or `None` when `arg` tracks
+/// no gradient: candle adds every gradient a backward returns into its store.
+pub(crate) fn gradient<T: Real>(v: Vec<T>, arg: &Tensor) -> Result<Option<Tensor>> {
+    if !arg.track_op() {
+        return Ok(None);
+    }
+    let shape = arg.shape().clone();
+    if v.len() != shape.elem_count() {
+        bail!("{} gradient values for shape {shape:?}", v.len())
+    }
+    let storage = Storage::Cpu(to_storage(v, arg.dtype())?);
+    let none = candle_core::op::BackpropOp::none();
+    Ok(Some(Tensor::from_storage(storage, shape, none, false)))
+}

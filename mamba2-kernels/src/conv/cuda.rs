@@ -41,10 +41,9 @@ m2_layout!(ConvParams, 64, {
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for ConvParams {}
 
-/// What a conv op holds besides its arguments: bias, SiLU, dimensions and the channel counts of
-/// the output pieces.
+/// What a conv op holds besides its arguments: SiLU, dimensions and the channel counts of the
+/// output pieces.
 pub(super) struct Conv<'a> {
-    pub bias: Option<&'a Tensor>,
     pub silu: bool,
     pub dims: ConvDims,
     pub split: &'a [usize],
@@ -89,12 +88,17 @@ impl Conv<'_> {
     }
 }
 
-/// The prefill conv: returns the output pieces `[B·L, split[k]]` and the new state `[B,D,K]`.
+/// A storage and its layout.
+pub(super) type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+/// The prefill conv with the optional bias: returns the output pieces `[B·L, split[k]]` and the
+/// new state `[B,D,K]`.
 pub(super) fn causal_conv1d(
     conv: &Conv,
-    (x_s, x_l): (&CudaStorage, &Layout),
-    (w_s, w_l): (&CudaStorage, &Layout),
-    (st_s, st_l): (&CudaStorage, &Layout),
+    (x_s, x_l): Input,
+    (w_s, w_l): Input,
+    bias: Option<Input>,
+    (st_s, st_l): Input,
 ) -> Result<(Vec<CudaStorage>, CudaStorage)> {
     let op = "causal_conv1d";
     let d = conv.dims;
@@ -105,11 +109,15 @@ pub(super) fn causal_conv1d(
     let (mut ys, params) = conv.outputs(dev, &stream, x_s.dtype(), rows, x_stride)?;
     let state_len = d.batch * d.dim * d.width;
     let mut st_out = alloc(dev, x_s.dtype(), state_len)?;
-    let bias = conv.bias.map(Held::new);
-    let mut guards = Guards::new();
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
     let (st_p, _g3) = ptr(op, "initial_state", st_s, st_l, &stream)?;
-    let bias_p = opt_ptr(op, "bias", &bias, &stream, &mut guards)?;
+    let (bias_p, _g4) = match bias {
+        Some((b_s, b_l)) => {
+            let (p, g) = ptr(op, "bias", b_s, b_l, &stream)?;
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
     let so_p = ptr(
         op,
         "state",
@@ -137,13 +145,14 @@ pub(super) fn causal_conv1d(
     Ok((ys, st_out))
 }
 
-/// The decode conv with `weight [D,K]`, in place on the state: returns the output pieces
-/// `[B, split[k]]`.
+/// The decode conv with `weight [D,K]` and the optional bias, in place on the state: returns the
+/// output pieces `[B, split[k]]`.
 pub(super) fn causal_conv1d_step(
     conv: &Conv,
     weight: &Tensor,
+    bias: Option<&Tensor>,
     (st_s, st_l): (&mut CudaStorage, &Layout),
-    (x_s, x_l): (&CudaStorage, &Layout),
+    (x_s, x_l): Input,
 ) -> Result<Vec<CudaStorage>> {
     let op = "causal_conv1d_step";
     let d = conv.dims;
@@ -151,7 +160,7 @@ pub(super) fn causal_conv1d_step(
     let stream = dev.cuda_stream();
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
     let (mut ys, params) = conv.outputs(&dev, &stream, x_s.dtype(), d.batch, x_stride)?;
-    let (w, bias) = (Held::new(weight), conv.bias.map(Held::new));
+    let (w, bias) = (Held::new(weight), bias.map(Held::new));
     let mut guards = Guards::new();
     let w_p = w.ptr(op, "weight", &stream, &mut guards)?;
     let bias_p = opt_ptr(op, "bias", &bias, &stream, &mut guards)?;

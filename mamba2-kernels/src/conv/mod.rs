@@ -11,11 +11,18 @@
 //! conv's causal zero padding; after fewer than K tokens the inputs are zero-padded on the left).
 //! After a call the new state is the last K entries of `u`. Layouts: `x [B,L,D]` channels last (as
 //! xBC leaves in_proj), `weight [D,K]` (the checkpoint's `[D,1,K]` squeezed), `bias [D]`; all in
-//! x's dtype (f32, f16 or bf16), accumulation in f32.
+//! x's dtype (f32, f16 or bf16), accumulation in f32; on the CPU also f64, computed in f64.
+//!
+//! Autograd: [`causal_conv1d`] and [`causal_conv1d_split`] are differentiable in x, the weight and
+//! the bias. When none of them tracks gradients (inference) the op is not recorded and costs
+//! nothing extra; otherwise the conv is a recorded op with a backward (see `grad.rs`). The
+//! initial state gets no gradient and the returned new state carries none. The backward runs on
+//! the CPU only (no CUDA backward yet). The one-token step is not differentiable.
 
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod grad;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -89,12 +96,17 @@ impl CustomOp3 for CausalConv1d {
         st_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let conv = cuda::Conv {
-            bias: self.bias.as_ref(),
             silu: self.silu,
             dims: self.dims,
             split: &self.split,
         };
-        let (ys, new_state) = cuda::causal_conv1d(&conv, (x_s, x_l), (w_s, w_l), (st_s, st_l))?;
+        let held = self.bias.as_ref().map(crate::cuda::Held::new);
+        let bias = match &held {
+            Some(h) => Some((h.cuda(self.name(), "bias")?, h.layout)),
+            None => None,
+        };
+        let (ys, new_state) =
+            cuda::causal_conv1d(&conv, (x_s, x_l), (w_s, w_l), bias, (st_s, st_l))?;
         self.state_out.put(self.name(), Storage::Cuda(new_state))?;
         let mut ys = ys.into_iter();
         let Some(first) = ys.next() else {
@@ -176,12 +188,12 @@ impl InplaceOp2 for CausalConv1dStep {
         x_l: &Layout,
     ) -> Result<()> {
         let conv = cuda::Conv {
-            bias: self.bias.as_ref(),
             silu: self.silu,
             dims: self.dims,
             split: &self.split,
         };
-        let ys = cuda::causal_conv1d_step(&conv, &self.weight, (st_s, st_l), (x_s, x_l))?;
+        let bias = self.bias.as_ref();
+        let ys = cuda::causal_conv1d_step(&conv, &self.weight, bias, (st_s, st_l), (x_s, x_l))?;
         for (slot, y) in self.pieces.iter().zip(ys) {
             slot.put(self.name(), Storage::Cuda(y))?;
         }
@@ -252,7 +264,8 @@ fn check_split(op: &str, split: &[usize], dim: usize) -> Result<()> {
 /// Runs the causal conv over `x [B,L,D]` from `initial_state [B,D,K]` (zeros if `None`).
 ///
 /// `weight [D,K]`, bias and state in x's dtype. Returns `(y [B,L,D], new_state [B,D,K])`, both in
-/// x's dtype; the new state holds the last K inputs (see the module doc).
+/// x's dtype; the new state holds the last K inputs (see the module doc). Differentiable in x, the
+/// weight and the bias (not in the initial state; the new state carries no gradient).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -322,15 +335,21 @@ pub fn causal_conv1d_split(
         }
         None => Tensor::zeros((batch, dim, width), x.dtype(), x.device())?,
     };
+    let dims = ConvDims {
+        batch,
+        seqlen,
+        dim,
+        width,
+    };
+    // Only a graph that tracks gradients records the op: inference runs it unrecorded.
+    if x.track_op() || weight.track_op() || opts.bias.is_some_and(Tensor::track_op) {
+        let mode = (opts.silu, dims);
+        return grad::causal_conv1d_recorded(x, weight, opts.bias, &state, mode, split);
+    }
     let conv = CausalConv1d {
         bias: opts.bias.map(|b| b.contiguous()).transpose()?,
         silu: opts.silu,
-        dims: ConvDims {
-            batch,
-            seqlen,
-            dim,
-            width,
-        },
+        dims,
         split: split.to_vec(),
         rest: split[1..].iter().map(|_| Slot::default()).collect(),
         state_out: Slot::default(),

@@ -24,7 +24,15 @@
 //! kernel, `y` is normalised from the f32 sum, not from the rounded residual.
 //!
 //! Inputs f32, f16 or bf16 (x, z and `weight [D]` of one dtype), f32 arithmetic, output in x's
-//! dtype.
+//! dtype; on the CPU also f64, computed in f64.
+//!
+//! Autograd: both norms are differentiable in every tensor argument. When none tracks gradients
+//! (inference) nothing is recorded and the ops cost nothing extra. Otherwise [`gated_rms_norm`]
+//! is the same op recorded with its backward (dx, dz, dweight), and [`add_rms_norm`] is composed:
+//! the sum `s = x + residual` is taken by candle ops in the compute type (f32; f64 for f64 x),
+//! `y` is a recorded RMSNorm op on `(s, weight)` converted to x's dtype, and the new residual is
+//! `s` converted to its dtype. These are the fused op's values: it too normalises the unrounded
+//! sum. The backwards run on the CPU only (no CUDA backward yet).
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -37,8 +45,16 @@ use candle_core::{
 };
 
 use crate::check;
-use crate::cpu::{to_storage, view, wide, CpuArg, Held, Real};
+use crate::cpu::{gradient, host, to_storage, view, wide, CpuArg, Held, Real};
 use crate::slot::Slot;
+
+/// The gradients of a norm's arguments, each `None` when its tensor tracks no gradient.
+type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// Whether any of `ts` tracks gradients: only then is an op recorded, so inference pays nothing.
+fn tracked(ts: &[Option<&Tensor>]) -> bool {
+    ts.iter().flatten().any(|t| t.track_op())
+}
 
 /// The gated norm on `(x, z, weight)`.
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +99,14 @@ impl CustomOp3 for GatedRmsNorm {
         let y = cuda::gated_rms_norm((x_s, x_l), (z_s, z_l), (w_s, w_l), group, eps)?;
         Ok((y, x_l.shape().clone()))
     }
+
+    fn bwd(&self, x: &Tensor, z: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Grads3> {
+        if wide(x.dtype()) {
+            self.grads::<f64>(x, z, w, dy)
+        } else {
+            self.grads::<f32>(x, z, w, dy)
+        }
+    }
 }
 
 impl GatedRmsNorm {
@@ -97,12 +121,101 @@ impl GatedRmsNorm {
         let y = cpu::gated_rms_norm(&x, &z, &w, self.group_size, T::of(self.eps));
         Ok((to_storage(y, x_s.dtype())?, x_l.shape().clone()))
     }
+
+    fn grads<T: Real>(&self, x: &Tensor, z: &Tensor, w: &Tensor, dy: &Tensor) -> Result<Grads3> {
+        let op = "gated_rms_norm";
+        let dyv = host::<T>(op, "output gradient", dy)?;
+        let (xv, zv) = (host::<T>(op, "x", x)?, host::<T>(op, "z", z)?);
+        let wv = host::<T>(op, "weight", w)?;
+        let eps = T::of(self.eps);
+        let (dx, dz, dw) = cpu::gated_rms_norm_backward(&xv, &zv, &wv, &dyv, self.group_size, eps);
+        Ok((gradient(dx, x)?, gradient(dz, z)?, gradient(dw, w)?))
+    }
+}
+
+/// The RMSNorm of whole rows on `(v, weight)` of one dtype: the gated norm without the gate, and
+/// the recorded half of the differentiable [`add_rms_norm`].
+#[derive(Clone, Copy, Debug)]
+struct RmsNorm {
+    eps: f32,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "add_rms_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        v_s: &CpuStorage,
+        v_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if wide(v_s.dtype()) {
+            self.cpu::<f64>((v_s, v_l), (w_s, w_l))
+        } else {
+            self.cpu::<f32>((v_s, v_l), (w_s, w_l))
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        v_s: &candle_core::CudaStorage,
+        v_l: &Layout,
+        w_s: &candle_core::CudaStorage,
+        w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        // The fused kernel without a residual is this norm; its residual output (v) is dropped.
+        let no_residual = (None, v_s.dtype());
+        let (y, _) = cuda::add_rms_norm((v_s, v_l), (w_s, w_l), no_residual, self.eps)?;
+        Ok((y, v_l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        v: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if wide(v.dtype()) {
+            self.grads::<f64>(v, w, dy)
+        } else {
+            self.grads::<f32>(v, w, dy)
+        }
+    }
+}
+
+impl RmsNorm {
+    fn cpu<T: Real>(&self, (v_s, v_l): CpuArg, (w_s, w_l): CpuArg) -> Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let v = view::<T>(op, "x", v_s, v_l)?;
+        let w = view::<T>(op, "weight", w_s, w_l)?;
+        let y = cpu::rms_norm(&v, &w, T::of(self.eps));
+        Ok((to_storage(y, v_s.dtype())?, v_l.shape().clone()))
+    }
+
+    fn grads<T: Real>(
+        &self,
+        v: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = self.name();
+        let dyv = host::<T>(op, "output gradient", dy)?;
+        let (vv, wv) = (host::<T>(op, "x", v)?, host::<T>(op, "weight", w)?);
+        let (dv, dw) = cpu::rms_norm_backward(&vv, &wv, &dyv, wv.len(), T::of(self.eps));
+        Ok((gradient(dv, v)?, gradient(dw, w)?))
+    }
 }
 
 /// `rmsnorm_per_group(x · silu(z)) · weight` over the last dimension of `x` (see the module doc).
 ///
 /// `x, z [..., D]` and `weight [D]` share one dtype; `group_size` must divide D. Returns x's shape
 /// and dtype. On CUDA the rows of z may be a slice of a wider tensor (read in place).
+/// Differentiable in x, z and the weight (see the module doc).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -143,8 +256,12 @@ pub fn gated_rms_norm(
         group_size,
         eps: eps as f32,
     };
-    x.contiguous()?
-        .apply_op3_no_bwd(&check::rows_view(z)?, &weight.contiguous()?, &norm)
+    let (x, z, weight) = (x.contiguous()?, check::rows_view(z)?, weight.contiguous()?);
+    if tracked(&[Some(&x), Some(&z), Some(&weight)]) {
+        x.apply_op3(&z, &weight, norm)
+    } else {
+        x.apply_op3_no_bwd(&z, &weight, &norm)
+    }
 }
 
 /// The add norm on `(x, weight)`; the new residual is left in `residual_out`.
@@ -210,6 +327,7 @@ impl AddRmsNorm {
 /// Adds `residual` to `x [..., D]` and RMS-normalises the sum with `weight [D]` (see the module
 /// doc). Returns `(normed in x's dtype, new residual)`; the new residual is f32 when
 /// `residual_in_fp32`, else x's dtype, and `residual` (when given) must have that dtype.
+/// Differentiable in x, the residual and the weight (see the module doc for how).
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
@@ -253,6 +371,22 @@ pub fn add_rms_norm(
                 r.dtype()
             )
         }
+    }
+    if tracked(&[Some(x), residual, Some(weight)]) {
+        // The composed, differentiable path (see the module doc).
+        let compute = if wide(x.dtype()) {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let mut sum = x.to_dtype(compute)?;
+        if let Some(r) = residual {
+            sum = sum.add(&r.to_dtype(compute)?)?;
+        }
+        let norm = RmsNorm { eps: eps as f32 };
+        let weight = weight.to_dtype(compute)?.contiguous()?;
+        let y = sum.contiguous()?.apply_op2(&weight, norm)?;
+        return Ok((y.to_dtype(x.dtype())?, sum.to_dtype(residual_dtype)?));
     }
     let norm = AddRmsNorm {
         residual: residual.map(|r| r.contiguous()).transpose()?,

@@ -1,0 +1,242 @@
+//! The differentiable prefill conv. When x, the weight or the bias tracks gradients,
+//! [`causal_conv1d_split`](super::causal_conv1d_split) records the conv as one candle op on
+//! `(x, weight, bias)` (on `(x, weight)` without a bias) whose backward returns dx, dweight and
+//! dbias (`cpu::backward`, on the CPU only), and cuts the pieces from its one output with
+//! `narrow`, which candle differentiates. The initial state is held by the op, not one of its
+//! arguments: it gets no gradient. The returned new state, the last K inputs, is cut from
+//! detached tensors and carries no gradient either.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::cpu;
+use crate::check::{self, ConvDims};
+use crate::cpu::{gradient, host, to_storage, view, wide, CpuArg, Held, Real};
+
+const OP: &str = "causal_conv1d";
+
+/// The prefill conv as a recorded op on `(x, weight[, bias])`, from a held initial state.
+#[derive(Debug)]
+struct RecordedConv {
+    /// `[B,D,K]`, contiguous and detached.
+    state: Tensor,
+    silu: bool,
+    dims: ConvDims,
+}
+
+/// The gradients of x, the weight and the bias, each `None` when its tensor tracks no gradient.
+type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+impl RecordedConv {
+    fn out_shape(&self) -> Shape {
+        let d = self.dims;
+        Shape::from((d.batch, d.seqlen, d.dim))
+    }
+
+    fn cpu(&self, x: CpuArg, w: CpuArg, bias: Option<CpuArg>) -> Result<(CpuStorage, Shape)> {
+        if wide(x.0.dtype()) {
+            self.cpu_in::<f64>(x, w, bias)
+        } else {
+            self.cpu_in::<f32>(x, w, bias)
+        }
+    }
+
+    fn cpu_in<T: Real>(
+        &self,
+        (x_s, x_l): CpuArg,
+        (w_s, w_l): CpuArg,
+        bias: Option<CpuArg>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = view::<T>(OP, "x", x_s, x_l)?;
+        let w = view::<T>(OP, "weight", w_s, w_l)?;
+        let bias = match bias {
+            Some((b_s, b_l)) => view::<T>(OP, "bias", b_s, b_l)?.into_owned(),
+            None => vec![T::zero(); self.dims.dim],
+        };
+        let held = Held::new(&self.state);
+        let state = held.view::<T>(OP, "initial_state")?;
+        let y = cpu::prefill(&x, &w, &state, &bias, self.silu, self.dims).0;
+        Ok((to_storage(y, x_s.dtype())?, self.out_shape()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        x: super::cuda::Input,
+        w: super::cuda::Input,
+        bias: Option<super::cuda::Input>,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let held = crate::cuda::Held::new(&self.state);
+        let state = (held.cuda(OP, "initial_state")?, held.layout);
+        let conv = super::cuda::Conv {
+            silu: self.silu,
+            dims: self.dims,
+            split: &[self.dims.dim],
+        };
+        let (ys, _) = super::cuda::causal_conv1d(&conv, x, w, bias, state)?;
+        match ys.into_iter().next() {
+            Some(y) => Ok((y, self.out_shape())),
+            None => candle_core::bail!("{OP}: no output"),
+        }
+    }
+
+    fn grads(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, dy: &Tensor) -> Result<Grads> {
+        if wide(x.dtype()) {
+            self.grads_in::<f64>(x, w, bias, dy)
+        } else {
+            self.grads_in::<f32>(x, w, bias, dy)
+        }
+    }
+
+    fn grads_in<T: Real>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        dy: &Tensor,
+    ) -> Result<Grads> {
+        let dyv = host::<T>(OP, "output gradient", dy)?;
+        let xv = host::<T>(OP, "x", x)?;
+        let wv = host::<T>(OP, "weight", w)?;
+        let state = host::<T>(OP, "initial_state", &self.state)?;
+        let bv = match bias {
+            Some(b) => host::<T>(OP, "bias", b)?,
+            None => vec![T::zero(); self.dims.dim],
+        };
+        let g = cpu::backward(&xv, &wv, &state, &bv, &dyv, self.silu, self.dims);
+        let dbias = match bias {
+            Some(b) => gradient(g.dbias, b)?,
+            None => None,
+        };
+        Ok((gradient(g.dx, x)?, gradient(g.dw, w)?, dbias))
+    }
+}
+
+impl CustomOp3 for RecordedConv {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+        b_s: &CpuStorage,
+        b_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu((x_s, x_l), (w_s, w_l), Some((b_s, b_l)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        w_s: &candle_core::CudaStorage,
+        w_l: &Layout,
+        b_s: &candle_core::CudaStorage,
+        b_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda((x_s, x_l), (w_s, w_l), Some((b_s, b_l)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<Grads> {
+        self.grads(x, w, Some(bias), dy)
+    }
+}
+
+impl CustomOp2 for RecordedConv {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu((x_s, x_l), (w_s, w_l), None)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        w_s: &candle_core::CudaStorage,
+        w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda((x_s, x_l), (w_s, w_l), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.grads(x, w, None, dy)?;
+        Ok((dx, dw))
+    }
+}
+
+/// The conv of `x [B,L,D]` (checked by the caller) as a recorded op: returns the output pieces of
+/// `split` channels and the new state.
+pub(super) fn causal_conv1d_recorded(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    state: &Tensor,
+    (silu, dims): (bool, ConvDims),
+    split: &[usize],
+) -> Result<(Vec<Tensor>, Tensor)> {
+    let x = check::rows_view(x)?;
+    let new_state = last_inputs(&x, state, dims)?;
+    let conv = RecordedConv {
+        state: state.detach(),
+        silu,
+        dims,
+    };
+    let weight = weight.contiguous()?;
+    let y = match bias {
+        Some(b) => x.apply_op3(&weight, &b.contiguous()?, conv)?,
+        None => x.apply_op2(&weight, conv)?,
+    };
+    let mut start = 0;
+    let mut pieces = Vec::with_capacity(split.len());
+    for &width in split {
+        pieces.push(y.narrow(2, start, width)?.contiguous()?);
+        start += width;
+    }
+    Ok((pieces, new_state))
+}
+
+/// The new state `[B,D,K]`: the last K entries of `u` (the state, then x) channels first, cut
+/// from detached tensors.
+fn last_inputs(x: &Tensor, state: &Tensor, dims: ConvDims) -> Result<Tensor> {
+    let ConvDims { seqlen, width, .. } = dims;
+    let from_x = seqlen.min(width);
+    let tail = x
+        .detach()
+        .narrow(1, seqlen - from_x, from_x)?
+        .transpose(1, 2)?;
+    let new_state = if from_x < width {
+        let kept = state.detach().narrow(2, from_x, width - from_x)?;
+        Tensor::cat(&[&kept, &tail], 2)?
+    } else {
+        tail
+    };
+    new_state.contiguous()
+}
