@@ -23,6 +23,7 @@ mod model;
 mod sampler;
 mod text_stream;
 mod tokenizer;
+mod train;
 
 pub use cache::{Cache, LayerState};
 pub use checkpoint::{Checkpoint, PYTORCH_BIN, SAFETENSORS, SHARD_INDEX};
@@ -36,3 +37,4 @@ pub use sampler::{Sampler, SamplingParams};
 pub use text_stream::TextStream;
 pub use tokenizer::{byte_tokenizer, id_tokenizer, load_tokenizer, BYTE_VOCAB};
 pub use tokenizers::Tokenizer;
+pub use train::TrainableModel;

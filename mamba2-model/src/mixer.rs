@@ -127,17 +127,36 @@ impl Mixer {
 
     /// Runs `u [B,L,d_model]` from `state` and leaves the state after the last token there.
     pub fn forward(&self, u: &Tensor, state: &mut LayerState) -> Result<Tensor> {
+        let (out, conv, ssm) = self.run(u, Some(&state.conv), Some(&state.ssm))?;
+        state.conv.slice_set(&conv, 0, 0)?;
+        state.ssm.slice_set(&ssm, 0, 0)?;
+        Ok(out)
+    }
+
+    /// Runs whole sequences `u [B,L,d_model]` from zero states, as training does: every op on the
+    /// way records its gradient when the weights or `u` take part in one.
+    pub fn forward_train(&self, u: &Tensor) -> Result<Tensor> {
+        Ok(self.run(u, None, None)?.0)
+    }
+
+    /// `(out, conv state, SSM state after the last token)` from the given states (zeros when
+    /// absent).
+    fn run(
+        &self,
+        u: &Tensor,
+        conv_state: Option<&Tensor>,
+        ssm_state: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, l, _) = u.dims3()?;
         let (di, h, p, gn) = self.sizes();
         let (z, xbc, dt) = self.split(&self.in_proj.forward(u)?)?;
         let (xbc, conv) = causal_conv1d_split(
             &xbc,
             &self.conv_weight,
-            Some(&state.conv),
+            conv_state,
             &self.conv_options(),
             &[di, gn, gn],
         )?;
-        state.conv.slice_set(&conv, 0, 0)?;
         let groups = (b, l, self.ngroups, self.d_state);
         let x = xbc[0].reshape((b, l, h, p))?;
         let bm = xbc[1].reshape(groups)?;
@@ -147,11 +166,10 @@ impl Mixer {
             dt: self.dt_options(),
             d: Some(&self.d),
             z: None,
-            initial_state: Some(&state.ssm),
+            initial_state: ssm_state,
             state_dtype: DType::F32,
         };
         let (y, ssm) = ssd(&x, &dt, &self.a, &bm, &cm, &opts)?;
-        state.ssm.slice_set(&ssm, 0, 0)?;
         let y = gated_rms_norm(
             &y.reshape((b, l, di))?,
             &z,
@@ -159,7 +177,7 @@ impl Mixer {
             self.group_size,
             self.eps,
         )?;
-        self.out_proj.forward(&y)
+        Ok((self.out_proj.forward(&y)?, conv, ssm))
     }
 
     /// Runs one token `u [B,d_model]`, updating `state` in place.

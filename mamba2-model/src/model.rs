@@ -368,6 +368,41 @@ impl Model {
         Ok(())
     }
 
+    /// The logits `[B,L,V]` (f32) of every position of `ids [B,L]`, from empty states, without a
+    /// cache: the training forward. With weights that are `Var`s (or depend on them, as in a
+    /// [`crate::TrainableModel`]'s view) every op records its gradient.
+    pub fn forward_train(&self, ids: &Tensor) -> Result<Tensor> {
+        let ids = self.checked_ids(ids)?;
+        match ids.dims() {
+            &[_, l] if l > 0 => {}
+            d => bail!("ids must have shape [B, L] with L >= 1, got {d:?}"),
+        }
+        let mut h = self.embedding.forward(&ids)?;
+        let mut residual = None;
+        for block in &self.blocks {
+            let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
+            residual = Some(r);
+            h = block.mixer.forward_train(&normed)?;
+        }
+        let (h, _) = self.norm(&h, residual.as_ref(), &self.norm_f)?;
+        self.logits(&h)
+    }
+
+    /// The mean next-token cross-entropy of `ids [B,L]` (L ≥ 2): the logits at positions
+    /// 0..L−1 against the ids at 1..L, in f32, differentiable as [`Model::forward_train`].
+    pub fn loss(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, l) = match ids.dims() {
+            &[b, l] if l >= 2 => (b, l),
+            d => bail!("the loss needs ids of shape [B, L] with L >= 2, got {d:?}"),
+        };
+        let logits = self.forward_train(&ids.narrow(1, 0, l - 1)?)?;
+        let v = logits.dim(2)?;
+        let targets = self
+            .checked_ids(&ids.narrow(1, 1, l - 1)?)?
+            .to_dtype(DType::U32)?;
+        candle_nn::loss::cross_entropy(&logits.reshape((b * (l - 1), v))?, &targets.flatten_all()?)
+    }
+
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
         self.lm_head.forward(h)?.to_dtype(DType::F32)
     }

@@ -32,6 +32,7 @@ mod confine;
 mod pickle;
 mod pth;
 mod safetensors;
+mod save;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -43,6 +44,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
 pub(crate) use confine::ModelDir;
+pub(crate) use save::save_hf;
 use pth::Pth;
 #[cfg(feature = "hub")]
 pub(crate) use safetensors::shard_names;

@@ -155,6 +155,45 @@ impl Config {
         })
     }
 
+    /// This config as an HF `Mamba2Config` `config.json` (what `save_pretrained` of transformers
+    /// 5.17 writes for these fields; an infinite dt limit as `{"__float__": "Infinity"}`, its
+    /// spelling for a non-finite float).
+    pub fn to_hf_json(&self) -> Value {
+        let float = |v: f32| {
+            if v.is_finite() {
+                serde_json::json!(v)
+            } else {
+                serde_json::json!({ "__float__": if v > 0.0 { "Infinity" } else { "-Infinity" } })
+            }
+        };
+        let eos = match self.eos_token_ids.as_slice() {
+            [one] => serde_json::json!(one),
+            many => serde_json::json!(many),
+        };
+        serde_json::json!({
+            "architectures": ["Mamba2ForCausalLM"],
+            "model_type": "mamba2",
+            "hidden_act": "silu",
+            "hidden_size": self.d_model,
+            "num_hidden_layers": self.n_layer,
+            "vocab_size": self.vocab_size,
+            "state_size": self.d_state,
+            "conv_kernel": self.d_conv,
+            "expand": self.expand,
+            "head_dim": self.headdim,
+            "num_heads": self.nheads,
+            "n_groups": self.ngroups,
+            "chunk_size": self.chunk_size,
+            "time_step_limit": [float(self.dt_limit.0), float(self.dt_limit.1)],
+            "use_bias": self.bias,
+            "use_conv_bias": self.conv_bias,
+            "layer_norm_epsilon": self.norm_eps,
+            "residual_in_fp32": self.residual_in_fp32,
+            "tie_word_embeddings": self.tie_embeddings,
+            "eos_token_id": eos,
+        })
+    }
+
     fn from_original(obj: &Map<String, Value>) -> Result<Self> {
         let f = Fields::new(obj, "");
         f.only(&[
