@@ -9,8 +9,10 @@ Two modes:
 
    Builds tiny `Mamba2ForCausalLM` models with seeded random weights, writes each to
    `tests/fixtures/<case>/` (config.json, model.safetensors / pytorch_model.bin, reference.safetensors,
-   case.json) and checks the reference against HF as-is and against an independent sequential float64
-   implementation written from mamba_ssm's `Mamba2.step` semantics.  See tests/fixtures/README.md.
+   gradients.safetensors, case.json) and checks the reference against HF as-is and against an independent
+   sequential float64 implementation written from mamba_ssm's `Mamba2.step` semantics.
+   gradients.safetensors holds the mean next-token cross-entropy and every parameter's gradient (autograd
+   on the float64 reference path, checked by finite differences).  See tests/fixtures/README.md.
 
 2. Logits mode (parity fixtures for a real checkpoint):
 
@@ -340,6 +342,72 @@ def naive_run(W, p, ids, prefix_len, clamp_dt=True):
         lg, st = naive_forward(W, p, ids[:, t : t + 1], st, clamp_dt=clamp_dt)
         steps.append(lg)
     return logits_prefill, torch.cat(steps, dim=1), states
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training reference: next-token loss and the gradient of every parameter (gradients.safetensors)
+# ----------------------------------------------------------------------------------------------------
+
+
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits at positions 0..L-2 against ids 1..L-1, over all V logits."""
+    V = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1).to(logits.device))
+
+
+def hf_loss(model, ids):
+    """(loss, logits) with autograd: the same backbone call as hf_run's prefill (use_cache=True), so the
+    logits are those of the stored `logits_prefill` before rounding."""
+    out = model.backbone(input_ids=ids, use_cache=True, return_dict=True)
+    logits = model.lm_head(out.last_hidden_state.to(model.lm_head.weight.dtype))
+    return next_token_loss(logits, ids), logits
+
+
+def hf_gradients(model, ids) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(loss, logits, {HF name: d loss / d param}) by autograd.  named_parameters() lists a tied lm_head once,
+    as backbone.embeddings.weight, whose gradient therefore sums the embedding and the lm_head use."""
+    named = dict(model.named_parameters())
+    with torch.enable_grad():
+        loss, logits = hf_loss(model, ids)
+        grads = torch.autograd.grad(loss, list(named.values()))
+    return loss.detach(), logits.detach(), {k: g.detach() for k, g in zip(named, grads)}
+
+
+def naive_gradients(W64: dict, p: "Case", ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Loss and gradients by autograd through the independent token-by-token recurrence (`naive_forward`)."""
+    leaves = {k: v.clone().requires_grad_(True) for k, v in W64.items()}
+    with torch.enable_grad():
+        logits, _ = inspect.unwrap(naive_forward)(leaves, p, ids)
+        loss = next_token_loss(logits, ids)
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+    return loss.detach(), {k: g for k, g in zip(leaves, grads)}
+
+
+@torch.no_grad()
+def finite_difference_check(model, ids, grads: dict, seed: int, h: float = 1e-3) -> dict:
+    """For every parameter tensor: a seeded random unit direction u, the Richardson-extrapolated central
+    difference (4 D(h/2) - D(h)) / 3 of the loss along u (D(h) = (loss(θ+hu) - loss(θ-hu)) / 2h, error O(h^4))
+    against the projection <grad, u>.  Returns {name: (fd, projection, relative error)}.  The parameter is
+    restored bit for bit afterwards."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, param in model.named_parameters():
+        u = torch.randn(param.shape, generator=g, dtype=F64)
+        u = (u / u.norm()).to(param.device)
+        saved = param.detach().clone()
+
+        def loss_at(step):
+            param.copy_(saved + step * u)
+            return float(hf_loss(model, ids)[0])
+
+        def central(step):
+            return (loss_at(step) - loss_at(-step)) / (2 * step)
+
+        fd = (4 * central(h / 2) - central(h)) / 3
+        param.copy_(saved)
+        proj = float((grads[name].to(F64) * u).sum())
+        out[name] = (fd, proj, abs(fd - proj) / abs(proj))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -803,6 +871,50 @@ def generate_case(p: Case, out_root: str, device: str) -> list[dict]:
         if diffs[k] > 1e-9 * max(1.0, scale):
             raise RuntimeError(f"{p.name}: {k} = {diffs[k]:.3e} too large")
 
+    # 5. training reference: loss and the gradient of every parameter, by autograd on the same float64 path
+    #    (a separate model, so the finite-difference perturbations never touch ref_model)
+    grad_model = build_hf_model(config, W, F64).to(device)
+    RefPatches(grad_model, "precise", group_norm=group_norm, dt_limit_in_step=step_limit)
+    loss, loss_logits, grads = hf_gradients(grad_model, dev_ids)
+    if set(grads) != set(W):
+        raise RuntimeError(f"{p.name}: parameters {sorted(grads)} != weights {sorted(W)}")
+    nv_loss, nv_grads = naive_gradients(W64, p, ids)
+    loss_f = float(loss)
+    grad_checks = {
+        "loss_logits_vs_reference_prefill": maxdiff(loss_logits, ref_pre),
+        "loss_vs_loss_of_reference_logits_rel": abs(loss_f - float(next_token_loss(ref_pre, dev_ids))) / loss_f,
+        "loss_vs_loss_of_stored_f32_logits_rel": abs(loss_f - float(next_token_loss(to_f32(ref_pre).to(F64), ids)))
+        / loss_f,
+        "loss_vs_naive_f64_rel": abs(loss_f - float(nv_loss)) / loss_f,
+        "grads_vs_naive_f64_rel": max(
+            maxdiff(grads[k], nv_grads[k]) / float(nv_grads[k].abs().max()) for k in grads
+        ),
+    }
+    fd = finite_difference_check(grad_model, dev_ids, grads, seed=p.seed() ^ 0xF1D1)
+    grad_checks["finite_difference_rel_max"] = max(r for _, _, r in fd.values())
+    print(f"  loss {loss_f:.15f}")
+    for k, v in grad_checks.items():
+        print(f"  {k:48s} {v:.3e}")
+    for k, (fdv, proj, rel) in fd.items():
+        print(f"    fd {k:44s} {fdv:+.12e} <g,u> {proj:+.12e} rel {rel:.1e}")
+    for k, limit in (
+        ("loss_vs_loss_of_reference_logits_rel", 1e-12),
+        ("loss_vs_naive_f64_rel", 1e-12),
+        ("grads_vs_naive_f64_rel", 1e-9),
+        ("finite_difference_rel_max", 1e-6),
+    ):
+        if not grad_checks[k] <= limit:
+            raise RuntimeError(f"{p.name}: {k} = {grad_checks[k]:.3e} > {limit:.0e}")
+
+    def grad_tensors(original: bool) -> dict:
+        """`loss` (f64 []) and `grad.<key>` under the weight file's key names (original: backbone.embedding.*);
+        a tied lm_head has no key of its own, its gradient is part of the embedding's."""
+        t = {"loss": loss.to("cpu").reshape(())}
+        for k, v in grads.items():
+            key = k.replace("backbone.embeddings.", "backbone.embedding.") if original else k
+            t["grad." + key] = v.to("cpu").contiguous()
+        return t
+
     ref_tensors = {
         "input_ids": ids.contiguous(),
         "logits_prefill": to_f32(ref_pre),
@@ -848,6 +960,7 @@ def generate_case(p: Case, out_root: str, device: str) -> list[dict]:
         os.makedirs(out_dir)
         weights_writer(out_dir)
         save_file(ref_tensors, os.path.join(out_dir, "reference.safetensors"), metadata={"case": p.name})
+        save_file(grad_tensors(fmt != "hf"), os.path.join(out_dir, "gradients.safetensors"), metadata={"case": p.name})
         cj = dict(case_json, format=fmt)
         if extra_json:
             cj.update(extra_json)
