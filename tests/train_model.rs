@@ -62,9 +62,16 @@ fn saving_twice_replaces_the_checkpoint() -> Result<()> {
     trainable.save(&out, None, usize::MAX)?;
     assert!(!out.join("model.safetensors.index.json").exists());
     assert!(out.join("model.safetensors").exists());
-    let name = out.file_name().expect("a name").to_string_lossy().to_string();
+    let name = out
+        .file_name()
+        .expect("a name")
+        .to_string_lossy()
+        .to_string();
     for leftover in [format!(".{name}.partial"), format!(".{name}.old")] {
-        assert!(!out.with_file_name(&leftover).exists(), "{leftover} stayed behind");
+        assert!(
+            !out.with_file_name(&leftover).exists(),
+            "{leftover} stayed behind"
+        );
     }
     std::fs::remove_dir_all(&out)?;
     Ok(())

@@ -44,11 +44,11 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
 pub(crate) use confine::ModelDir;
-pub(crate) use save::save_hf;
 use pth::Pth;
 #[cfg(feature = "hub")]
 pub(crate) use safetensors::shard_names;
 use safetensors::{safetensors_names, shard_names_of};
+pub(crate) use save::save_hf;
 
 /// The name of a sharded checkpoint's index.
 pub const SHARD_INDEX: &str = "model.safetensors.index.json";

@@ -1,0 +1,284 @@
+//! The flags of `cargo run --release --example train -- …` and the training settings they give:
+//! defaults for a new run, the saved settings for a resumed one, every number checked before
+//! anything is read or written.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use clap::Parser;
+use serde::{Deserialize, Serialize};
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Train or fine-tune a Mamba-2 language model on a text file")]
+pub struct Args {
+    /// The training text (UTF-8). Books separated by <|endoftext|> hold out the last books
+    /// [default on --resume: the checkpoint's file]
+    #[arg(long, required_unless_present = "resume")]
+    pub data: Option<PathBuf>,
+    /// Fine-tune this model directory (config.json + weights; its tokenizer.json is used)
+    #[arg(long, conflicts_with_all = ["config", "resume"], required_unless_present_any = ["config", "resume"])]
+    pub weights: Option<PathBuf>,
+    /// Train a new model of this config.json (seeded initialisation); with --resume, a check that
+    /// the checkpoint is this model
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The tokenizer.json [default: the model directory's; with --config, the byte-level stand-in]
+    #[arg(long, conflicts_with = "resume")]
+    pub tokenizer: Option<PathBuf>,
+    /// The checkpoint directory, rewritten atomically at every save [default on --resume: the
+    /// resumed directory]
+    #[arg(long, required_unless_present = "resume")]
+    pub out: Option<PathBuf>,
+    /// Replace the checkpoint of an earlier run in --out (at the first save, not before)
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Continue the run whose checkpoint is in this directory (weights, optimizer, step, RNG, log)
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Optimizer steps of the whole run (a resumed run may change it: the schedule follows)
+    /// [default: 1000]
+    #[arg(long, allow_negative_numbers = true)]
+    pub steps: Option<usize>,
+    /// Sequences per forward pass [default: 8]
+    #[arg(long, allow_negative_numbers = true)]
+    pub batch_size: Option<usize>,
+    /// Tokens per training sequence and per held-out window [default: 256]
+    #[arg(long, allow_negative_numbers = true)]
+    pub seq_len: Option<usize>,
+    /// Forward passes per optimizer step (a step sees batch-size × grad-accum sequences)
+    /// [default: 1]
+    #[arg(long, allow_negative_numbers = true)]
+    pub grad_accum: Option<usize>,
+    /// Peak learning rate [default: 1e-3 with --config, 1e-4 fine-tuning --weights]
+    #[arg(long, allow_negative_numbers = true)]
+    pub lr: Option<f64>,
+    /// Steps of linear warm-up [default: min(100, steps / 10)]
+    #[arg(long, allow_negative_numbers = true)]
+    pub warmup: Option<usize>,
+    /// The cosine decays to this fraction of --lr at the last step [default: 0.1]
+    #[arg(long, allow_negative_numbers = true)]
+    pub final_lr_frac: Option<f64>,
+    /// Clip the gradients' global norm to this; 0 turns clipping off [default: 1.0]
+    #[arg(long, allow_negative_numbers = true)]
+    pub clip: Option<f64>,
+    /// AdamW's decoupled weight decay, on matrices only [default: 0.1]
+    #[arg(long, allow_negative_numbers = true)]
+    pub weight_decay: Option<f64>,
+    /// Seeds the initial weights (--config) and the batches [default: 0]
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Held-out perplexity every N steps (and at the start and end); 0: start and end only
+    /// [default: 100]
+    #[arg(long, allow_negative_numbers = true)]
+    pub eval_every: Option<usize>,
+    /// Checkpoint every N steps (and at the end); 0: at the end only [default: 500]
+    #[arg(long, allow_negative_numbers = true)]
+    pub save_every: Option<usize>,
+    /// Hold out the last fraction of the text (0: none, no evaluation) [default: the last 3
+    /// books when the file has more than 3, else 0.05]
+    #[arg(long, allow_negative_numbers = true, conflicts_with = "heldout_books")]
+    pub heldout_fraction: Option<f64>,
+    /// Hold out the last N books (parts separated by <|endoftext|>)
+    #[arg(long, allow_negative_numbers = true)]
+    pub heldout_books: Option<usize>,
+    /// Compute dtype, f32 or bf16 (the master weights and the optimizer stay f32) [default: f32]
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// cpu, cuda or cuda:N
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Stop after this step with a checkpoint, as an interrupted run would (resume later)
+    #[arg(long, allow_negative_numbers = true)]
+    pub stop_after: Option<usize>,
+}
+
+/// Which part of the text is held out for the perplexity.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Heldout {
+    /// The last N parts of the text split at `<|endoftext|>`.
+    Books(usize),
+    /// The last fraction of the text's bytes, from the start of a line (0: nothing).
+    Fraction(f64),
+}
+
+impl fmt::Display for Heldout {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            Heldout::Books(n) => write!(f, "--heldout-books {n}"),
+            Heldout::Fraction(x) => write!(f, "--heldout-fraction {x}"),
+        }
+    }
+}
+
+/// What a run computes; saved in the checkpoint so that a resumed run continues the same run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Settings {
+    pub steps: usize,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    pub warmup: usize,
+    pub final_lr_frac: f64,
+    pub clip: f64,
+    pub weight_decay: f64,
+    pub seed: u64,
+    /// `None` until the text is read (the default depends on it).
+    pub heldout: Option<Heldout>,
+    pub dtype: String,
+    pub eval_every: usize,
+    pub save_every: usize,
+}
+
+impl Settings {
+    /// Tokens of one optimizer step.
+    pub fn tokens_per_step(&self) -> usize {
+        self.batch_size * self.grad_accum * self.seq_len
+    }
+
+    pub fn dtype(&self) -> Result<DType> {
+        Ok(match self.dtype.as_str() {
+            "f32" => DType::F32,
+            "bf16" => DType::BF16,
+            s => bail!("--dtype must be f32 or bf16, got {s:?}"),
+        })
+    }
+}
+
+/// A flag of a resumed run: the saved value, or the given one when it is the same.
+fn keep<T: PartialEq + fmt::Debug>(flag: &str, given: Option<T>, saved: T) -> Result<T> {
+    match given {
+        Some(v) if v != saved => bail!(
+            "{flag} {v:?} differs from the checkpoint's {saved:?}: a resumed run keeps the settings \
+             it started with (only --steps, --eval-every and --save-every may change)"
+        ),
+        _ => Ok(saved),
+    }
+}
+
+/// The settings of this run: `saved` (a resumed run's) with the flags that may change, or the
+/// flags over the defaults; checked.
+pub fn settings(args: &Args, saved: Option<&Settings>) -> Result<Settings> {
+    let heldout = match (args.heldout_books, args.heldout_fraction) {
+        (Some(n), _) => Some(Heldout::Books(n)),
+        (None, Some(f)) => Some(Heldout::Fraction(f)),
+        (None, None) => None,
+    };
+    let s = match saved {
+        Some(old) => Settings {
+            steps: args.steps.unwrap_or(old.steps),
+            batch_size: keep("--batch-size", args.batch_size, old.batch_size)?,
+            seq_len: keep("--seq-len", args.seq_len, old.seq_len)?,
+            grad_accum: keep("--grad-accum", args.grad_accum, old.grad_accum)?,
+            lr: keep("--lr", args.lr, old.lr)?,
+            warmup: keep("--warmup", args.warmup, old.warmup)?,
+            final_lr_frac: keep("--final-lr-frac", args.final_lr_frac, old.final_lr_frac)?,
+            clip: keep("--clip", args.clip, old.clip)?,
+            weight_decay: keep("--weight-decay", args.weight_decay, old.weight_decay)?,
+            seed: keep("--seed", args.seed, old.seed)?,
+            heldout: match (heldout, old.heldout) {
+                (Some(h), Some(o)) if h != o => {
+                    bail!("{h} differs from the checkpoint's {o}: a resumed run keeps its held-out split")
+                }
+                _ => old.heldout,
+            },
+            dtype: keep("--dtype", args.dtype.clone(), old.dtype.clone())?,
+            eval_every: args.eval_every.unwrap_or(old.eval_every),
+            save_every: args.save_every.unwrap_or(old.save_every),
+        },
+        None => {
+            let steps = args.steps.unwrap_or(1000);
+            Settings {
+                steps,
+                batch_size: args.batch_size.unwrap_or(8),
+                seq_len: args.seq_len.unwrap_or(256),
+                grad_accum: args.grad_accum.unwrap_or(1),
+                // A new model learns fast from random weights; a trained one is only nudged.
+                lr: args
+                    .lr
+                    .unwrap_or(if args.weights.is_some() { 1e-4 } else { 1e-3 }),
+                warmup: args.warmup.unwrap_or((steps / 10).min(100)),
+                final_lr_frac: args.final_lr_frac.unwrap_or(0.1),
+                clip: args.clip.unwrap_or(1.0),
+                weight_decay: args.weight_decay.unwrap_or(0.1),
+                seed: args.seed.unwrap_or(0),
+                heldout,
+                dtype: args.dtype.clone().unwrap_or_else(|| "f32".into()),
+                eval_every: args.eval_every.unwrap_or(100),
+                save_every: args.save_every.unwrap_or(500),
+            }
+        }
+    };
+    check(&s, args.stop_after)?;
+    Ok(s)
+}
+
+/// Every number in range: an error naming the flag and its value otherwise.
+fn check(s: &Settings, stop_after: Option<usize>) -> Result<()> {
+    let positive = |flag: &str, v: usize| -> Result<()> {
+        if v == 0 {
+            bail!("{flag} must be at least 1, got 0")
+        }
+        Ok(())
+    };
+    positive("--steps", s.steps)?;
+    positive("--batch-size", s.batch_size)?;
+    positive("--grad-accum", s.grad_accum)?;
+    if s.seq_len < 2 {
+        bail!(
+            "--seq-len must be at least 2 (a sequence predicts its tokens 1..L−1), got {}",
+            s.seq_len
+        )
+    }
+    if !(s.lr.is_finite() && s.lr > 0.0) {
+        bail!("--lr must be a finite number > 0, got {}", s.lr)
+    }
+    if s.warmup > s.steps {
+        bail!(
+            "--warmup {} is longer than the run (--steps {})",
+            s.warmup,
+            s.steps
+        )
+    }
+    if !(0.0..=1.0).contains(&s.final_lr_frac) {
+        bail!("--final-lr-frac must be in [0, 1], got {}", s.final_lr_frac)
+    }
+    if !(s.clip.is_finite() && s.clip >= 0.0) {
+        bail!(
+            "--clip must be a finite number >= 0 (0 turns clipping off), got {}",
+            s.clip
+        )
+    }
+    if !(s.weight_decay.is_finite() && s.weight_decay >= 0.0) {
+        bail!(
+            "--weight-decay must be a finite number >= 0, got {}",
+            s.weight_decay
+        )
+    }
+    match s.heldout {
+        Some(Heldout::Books(0)) => bail!("--heldout-books must be at least 1, got 0"),
+        Some(Heldout::Fraction(f)) if !(0.0..1.0).contains(&f) => {
+            bail!("--heldout-fraction must be in [0, 1) (0: no held-out text), got {f}")
+        }
+        _ => {}
+    }
+    s.dtype()?;
+    if stop_after == Some(0) {
+        bail!("--stop-after must be at least 1, got 0")
+    }
+    Ok(())
+}
+
+pub fn device(spec: &str) -> Result<Device> {
+    Ok(match spec {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Device::new_cuda(n)?,
+            _ => bail!("--device must be cpu, cuda or cuda:N, got {s:?}"),
+        },
+    })
+}
