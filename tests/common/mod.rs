@@ -5,6 +5,7 @@ use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use mamba2::kernels::{ssd_step, DtOptions, SsdOptions, StepOptions};
 
 pub mod fixture;
+pub mod grad;
 pub mod hostile;
 
 /// SplitMix64: a small seeded generator, so every failure can be replayed.
