@@ -42,6 +42,7 @@ mod dt;
 // The list itself serves build.rs and the tests; the launchers take only the names.
 #[cfg_attr(not(test), allow(dead_code))]
 mod instances;
+mod loss;
 mod matvec;
 mod norm;
 pub mod reference;
@@ -56,9 +57,10 @@ pub use conv::{
 #[cfg(feature = "cuda")]
 pub use cuda::set_poison;
 pub use dt::DtOptions;
+pub use loss::cross_entropy;
 pub use matvec::matvec;
 pub use norm::{add_rms_norm, gated_rms_norm};
-pub use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd, SsdOptions};
+pub use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_xbc, SsdOptions};
 #[cfg(feature = "timeline")]
 pub use ssd::{ssd_timeline, ssd_timeline_reset, TimelineMark};
 pub use ssd_step::{ssd_step, StepOptions};

@@ -19,8 +19,9 @@
 //! ± terms that cancel. The gradients then go through the dt processing (zero where dt_limit
 //! clamps, σ(dt + bias) under softplus) to raw dt and dt_bias, and through the gate
 //! (y·silu(z)) to z. dH of the first chunk is the initial state's gradient. The chunk states are
-//! recomputed from the inputs (as stored in the forward: rounded to the state dtype), and the
-//! group's B and C gradients are summed over its heads.
+//! the forward's, kept by the recorded op (or recomputed from the inputs and rounded
+//! to the state dtype as the forward rounds them), and the group's B and C gradients are summed
+//! over its heads.
 
 use rayon::prelude::*;
 
@@ -107,9 +108,22 @@ fn silu_grad<T: Real>(z: T) -> T {
     s * (T::one() + z * (T::one() - s))
 }
 
+/// Stage 1's outputs and the chunk states of a forward, as [`cpu::chunk_cumsum`] and
+/// [`cpu::chunk_states`] (rounded to the state dtype) return them.
+pub(super) struct Kept<T> {
+    pub steps: Vec<T>,
+    pub states: Vec<T>,
+}
+
 /// The gradients of the SSD's inputs given those of its outputs: `dy [B,L,H,P]` of the (gated)
-/// output and `dlast [B,H,P,N]` of the final state.
-pub(super) fn backward<T: Real>(inp: &GradInputs<T>, dy_out: &[T], dlast: &[T]) -> Grads<T> {
+/// output and `dlast [B,H,P,N]` of the final state; the forward's intermediates are recomputed
+/// unless `kept`.
+pub(super) fn backward<T: Real>(
+    inp: &GradInputs<T>,
+    dy_out: &[T],
+    dlast: &[T],
+    kept: Option<Kept<T>>,
+) -> Grads<T> {
     let dims = inp.dims;
     let SsdDims {
         batch,
@@ -120,11 +134,18 @@ pub(super) fn backward<T: Real>(inp: &GradInputs<T>, dy_out: &[T], dlast: &[T]) 
         dstate,
     } = dims;
     let chunk = inp.chunk;
-    let shape = (batch, seqlen, nheads);
-    let steps = cpu::chunk_cumsum(inp.dt, shape, inp.a, inp.bias, inp.rule, chunk);
+    let Kept { steps, states } = match kept {
+        Some(k) => k,
+        None => {
+            let shape = (batch, seqlen, nheads);
+            let steps = cpu::chunk_cumsum(inp.dt, shape, inp.a, inp.bias, inp.rule, chunk);
+            let (dtp, da) = steps.split_at(steps.len() / 2);
+            let mut states = cpu::chunk_states((inp.x, inp.b), (dtp, da), inp.init, &dims, chunk);
+            round_to(&mut states, inp.state_dtype);
+            Kept { steps, states }
+        }
+    };
     let (dtp, da) = steps.split_at(steps.len() / 2);
-    let mut states = cpu::chunk_states((inp.x, inp.b), (dtp, da), inp.init, &dims, chunk);
-    round_to(&mut states, inp.state_dtype);
 
     // Through the gate: y_out = y·silu(z).
     let (dy, dz) = match inp.z {
@@ -166,29 +187,54 @@ pub(super) fn backward<T: Real>(inp: &GradInputs<T>, dy_out: &[T], dlast: &[T]) 
         d: None,
         init: inp.init.map(|_| vec![T::zero(); batch * nheads * pn]),
     };
+    // Each batch entry's rows in parallel; the per-head parameters' sums are reduced after.
+    let partials: Vec<(Vec<T>, Vec<T>, Vec<T>)> =
+        g.x.par_chunks_mut(seqlen * hp)
+            .zip(g.b.par_chunks_mut(seqlen * gn))
+            .zip(g.c.par_chunks_mut(seqlen * gn))
+            .zip(g.dt.par_chunks_mut(seqlen * nheads))
+            .zip(heads.par_chunks(nheads))
+            .enumerate()
+            .map(|(bi, ((((gx, gb), gc), gdt), bheads))| {
+                let (mut da, mut dbias, mut dd) = (
+                    vec![T::zero(); nheads],
+                    vec![T::zero(); nheads],
+                    vec![T::zero(); hp],
+                );
+                for (h, hg) in bheads.iter().enumerate() {
+                    let grp = h / hpg;
+                    for l in 0..seqlen {
+                        let xo = (l * nheads + h) * headdim;
+                        gx[xo..xo + headdim].copy_from_slice(&hg.x[l * headdim..(l + 1) * headdim]);
+                        let bo = (l * ngroups + grp) * dstate;
+                        for n in 0..dstate {
+                            gb[bo + n] += hg.b[l * dstate + n];
+                            gc[bo + n] += hg.c[l * dstate + n];
+                        }
+                        // Through the dt processing, to raw dt and the bias.
+                        let i = l * nheads + h;
+                        let raw = inp.dt[bi * seqlen * nheads + i];
+                        let grad = hg.dt[l] * process_grad(raw, inp.bias[h], inp.rule);
+                        gdt[i] = grad;
+                        dbias[h] += grad;
+                    }
+                    da[h] += hg.a;
+                    for (acc, &v) in dd[h * headdim..(h + 1) * headdim].iter_mut().zip(&hg.d) {
+                        *acc += v;
+                    }
+                }
+                (da, dbias, dd)
+            })
+            .collect();
     let mut dd = vec![T::zero(); hp];
-    for (bh, hg) in heads.iter().enumerate() {
-        let (bi, h) = (bh / nheads, bh % nheads);
-        let grp = h / hpg;
-        for l in 0..seqlen {
-            let xo = ((bi * seqlen + l) * nheads + h) * headdim;
-            g.x[xo..xo + headdim].copy_from_slice(&hg.x[l * headdim..(l + 1) * headdim]);
-            let bo = ((bi * seqlen + l) * ngroups + grp) * dstate;
-            for n in 0..dstate {
-                g.b[bo + n] += hg.b[l * dstate + n];
-                g.c[bo + n] += hg.c[l * dstate + n];
-            }
-            // Through the dt processing, to raw dt and the bias.
-            let i = (bi * seqlen + l) * nheads + h;
-            let grad = hg.dt[l] * process_grad(inp.dt[i], inp.bias[h], inp.rule);
-            g.dt[i] = grad;
-            g.bias[h] += grad;
+    for (da, dbias, ddb) in partials {
+        let sums = [(&mut g.a, da), (&mut g.bias, dbias), (&mut dd, ddb)];
+        for (acc, part) in sums {
+            acc.iter_mut().zip(part).for_each(|(s, v)| *s += v);
         }
-        g.a[h] += hg.a;
-        for (acc, &v) in dd[h * headdim..(h + 1) * headdim].iter_mut().zip(&hg.d) {
-            *acc += v;
-        }
-        if let Some(init) = g.init.as_mut() {
+    }
+    if let Some(init) = g.init.as_mut() {
+        for (bh, hg) in heads.iter().enumerate() {
             init[bh * pn..(bh + 1) * pn].copy_from_slice(&hg.init);
         }
     }

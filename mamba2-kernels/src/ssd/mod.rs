@@ -35,7 +35,7 @@ mod plan;
 mod stages;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
 use crate::check::{self, SsdDims};
 use crate::cpu::{round_to, small, to_storage, view, wide, CpuArg, Held, Real};
@@ -247,26 +247,7 @@ pub fn ssd(
     c: &Tensor,
     opts: &SsdOptions,
 ) -> Result<(Tensor, Tensor)> {
-    let op = "ssd";
-    let dims = SsdDims::values(op, x, b)?;
-    check::device(op, "dt", dt, x)?;
-    check::float(op, "dt", dt)?;
-    let bld = [dims.batch, dims.seqlen, dims.nheads];
-    check::shape(op, "dt", dt, &bld, "[B, L, H]")?;
-    check::head_param(op, "a", a, x, dims.nheads)?;
-    dims.like_b(op, "c", c, x)?;
-    opts.dt.check(op, x, dims.nheads)?;
-    dims.check_chunking(op, opts.chunk_size)?;
-    check::state_dtype(op, "state_dtype", opts.state_dtype, x.device())?;
-    if let Some(d) = opts.d {
-        check::skip_param(op, d, x, dims.nheads, dims.headdim)?;
-    }
-    if let Some(z) = opts.z {
-        dims.like_x(op, "z", z, x)?;
-    }
-    if let Some(s) = opts.initial_state {
-        dims.state(op, "initial_state", s, x)?;
-    }
+    let dims = checked((x, dt, a, b, c), opts)?;
     let optional = [opts.d, opts.z, opts.initial_state, opts.dt.bias];
     let inputs = [x, dt, a, b, c]
         .into_iter()
@@ -298,4 +279,98 @@ pub fn ssd(
     let last_shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
     let last = op.final_state.take("ssd", "final state", last_shape)?;
     Ok((y, last))
+}
+
+/// The dimensions of an `ssd` call, after every check of its inputs.
+fn checked(
+    (x, dt, a, b, c): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    opts: &SsdOptions,
+) -> Result<SsdDims> {
+    let op = "ssd";
+    let dims = SsdDims::values(op, x, b)?;
+    check::device(op, "dt", dt, x)?;
+    check::float(op, "dt", dt)?;
+    let bld = [dims.batch, dims.seqlen, dims.nheads];
+    check::shape(op, "dt", dt, &bld, "[B, L, H]")?;
+    check::head_param(op, "a", a, x, dims.nheads)?;
+    dims.like_b(op, "c", c, x)?;
+    opts.dt.check(op, x, dims.nheads)?;
+    dims.check_chunking(op, opts.chunk_size)?;
+    check::state_dtype(op, "state_dtype", opts.state_dtype, x.device())?;
+    if let Some(d) = opts.d {
+        check::skip_param(op, d, x, dims.nheads, dims.headdim)?;
+    }
+    if let Some(z) = opts.z {
+        dims.like_x(op, "z", z, x)?;
+    }
+    if let Some(s) = opts.initial_state {
+        dims.state(op, "initial_state", s, x)?;
+    }
+    Ok(dims)
+}
+
+/// [`ssd`] on x, B and C held in one tensor `xbc [B, L, H·P + 2·G·N]`, per token `[x | B | C]` —
+/// the causal conv's output in a Mamba-2 mixer —, with H read from `dt [B, L, H]` and
+/// `(G, N) = groups_state`: the values of `ssd` on the three slices. When gradients are
+/// recorded (and there is no z) the op reads xbc as it is and returns its gradient in xbc's
+/// layout, so nothing is cut apart on the way in or scattered back on the way out.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use mamba2_kernels::{ssd, ssd_xbc, SsdOptions};
+///
+/// let dev = Device::Cpu;
+/// let (b, l, h, p, g, n) = (1, 10, 2, 4, 1, 8);
+/// let xbc = Tensor::randn(0f32, 1.0, (b, l, h * p + 2 * g * n), &dev)?;
+/// let dt = Tensor::randn(0f32, 1.0, (b, l, h), &dev)?.exp()?;
+/// let a = Tensor::new(&[-1f32, -2.0], &dev)?;
+/// let opts = SsdOptions { chunk_size: 16, ..Default::default() };
+/// let (y, _) = ssd_xbc(&xbc, &dt, &a, (g, n), &opts)?;
+///
+/// let x = xbc.narrow(2, 0, h * p)?.reshape((b, l, h, p))?;
+/// let bm = xbc.narrow(2, h * p, g * n)?.reshape((b, l, g, n))?;
+/// let cm = xbc.narrow(2, h * p + g * n, g * n)?.reshape((b, l, g, n))?;
+/// let (y2, _) = ssd(&x, &dt, &a, &bm, &cm, &opts)?;
+/// assert_eq!((y - y2)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn ssd_xbc(
+    xbc: &Tensor,
+    dt: &Tensor,
+    a: &Tensor,
+    (ngroups, dstate): (usize, usize),
+    opts: &SsdOptions,
+) -> Result<(Tensor, Tensor)> {
+    let op = "ssd";
+    let [batch, seqlen, width] = check::rank::<3>(op, "xbc", xbc, "[B, L, H·P + 2·G·N]")?;
+    let [_, _, nheads] = check::rank::<3>(op, "dt", dt, "[B, L, H]")?;
+    let bc = ngroups.checked_mul(dstate).and_then(|gn| gn.checked_mul(2));
+    let headdim = match bc {
+        Some(bc) if nheads > 0 && width > bc && (width - bc) % nheads == 0 => (width - bc) / nheads,
+        _ => bail!(
+            "{op}: xbc has width {width}, which is not H·P + 2·G·N for H = {nheads} (from dt), \
+             G = {ngroups} and N = {dstate} with P ≥ 1"
+        ),
+    };
+    let (hp, gn) = (nheads * headdim, ngroups * dstate);
+    if !xbc.track_op() || opts.z.is_some() {
+        let x = xbc
+            .narrow(2, 0, hp)?
+            .reshape((batch, seqlen, nheads, headdim))?;
+        let b = xbc
+            .narrow(2, hp, gn)?
+            .reshape((batch, seqlen, ngroups, dstate))?;
+        let c = xbc
+            .narrow(2, hp + gn, gn)?
+            .reshape((batch, seqlen, ngroups, dstate))?;
+        return ssd(&x, dt, a, &b, &c, opts);
+    }
+    // The checks of `ssd` on stand-ins of the slices' shapes (one element each, broadcast).
+    let like = |shape: (usize, usize, usize, usize)| {
+        Tensor::zeros((), xbc.dtype(), xbc.device())?.broadcast_as(shape)
+    };
+    let x = like((batch, seqlen, nheads, headdim))?;
+    let bc = like((batch, seqlen, ngroups, dstate))?;
+    let dims = checked((&x, dt, a, &bc, &bc), opts)?;
+    autograd::ssd_xbc(xbc, (dt, a), opts, dims)
 }

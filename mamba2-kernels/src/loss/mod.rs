@@ -1,0 +1,160 @@
+//! The mean cross-entropy of logits against target ids, the training loss, as one op:
+//!
+//! ```text
+//! lse_r = log Σ_v exp(logits[r,v])                        logits [R,V], targets [R]
+//! loss  = (1/R) Σ_r (lse_r − logits[r, targets[r]])
+//! d loss / d logits[r,v] = (exp(logits[r,v] − lse_r) − [v = targets[r]]) / R
+//! ```
+//!
+//! candle's composition (log-softmax, gather, mean, each with its backward) makes about a dozen
+//! passes over the `[R,V]` logits, the largest tensor of a training step; the op makes one in
+//! its forward (keeping lse_r) and one in its backward, parallel over rows. Logits f32, f16 or
+//! bf16 are computed in f32 and the loss is f32; f64 logits in f64. On CUDA the loss is
+//! candle's ops (no CUDA kernel yet).
+
+mod cpu;
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
+
+use crate::check;
+use crate::cpu::{gradient, view, wide, Held, Real};
+
+const OP: &str = "cross_entropy";
+
+/// The recorded loss on `logits`; the targets are held.
+#[derive(Debug)]
+struct CrossEntropy {
+    targets: Vec<u32>,
+    vocab: usize,
+    /// lse of every row, written by the forward for the backward.
+    lse: Mutex<Vec<f64>>,
+}
+
+impl CrossEntropy {
+    fn forward<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let logits = view::<T>(OP, "logits", s, l)?;
+        let (nll, lse) = cpu::forward(&logits, &self.targets, self.vocab);
+        match self.lse.lock() {
+            Ok(mut slot) => *slot = lse,
+            Err(_) => bail!("{OP}: state poisoned"),
+        }
+        let mean = nll / self.targets.len() as f64;
+        let out = if wide(s.dtype()) {
+            CpuStorage::F64(vec![mean])
+        } else {
+            CpuStorage::F32(vec![mean as f32])
+        };
+        Ok((out, Shape::from(())))
+    }
+
+    fn backward<T: Real>(&self, logits: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let scale = grad.to_dtype(DType::F64)?.to_scalar::<f64>()? / self.targets.len() as f64;
+        let logits_c = logits.contiguous()?;
+        let held = Held::new(&logits_c);
+        let values = held.view::<T>(OP, "logits")?;
+        let lse = match self.lse.lock() {
+            Ok(lse) => lse.clone(),
+            Err(_) => bail!("{OP}: state poisoned"),
+        };
+        if lse.len() != self.targets.len() {
+            bail!("{OP}: the backward ran before the forward")
+        }
+        let dlogits = cpu::backward(&values, &self.targets, &lse, self.vocab, scale);
+        gradient(dlogits, logits)
+    }
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        if wide(s.dtype()) {
+            self.forward::<f64>(s, l)
+        } else {
+            self.forward::<f32>(s, l)
+        }
+    }
+
+    fn bwd(&self, logits: &Tensor, _loss: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if !logits.device().is_cpu() {
+            bail!("{OP}: the recorded op runs on the CPU only")
+        }
+        if wide(logits.dtype()) {
+            self.backward::<f64>(logits, grad)
+        } else {
+            self.backward::<f32>(logits, grad)
+        }
+    }
+}
+
+/// The mean cross-entropy of `logits [R, V]` (f32, f16, bf16 or f64) against `targets [R]` (u8,
+/// u32 or i64 ids below V): a scalar, f32 (f64 for f64 logits), differentiable in the logits.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use mamba2_kernels::cross_entropy;
+///
+/// let logits = Tensor::new(&[[2f32, 0.0, 0.0], [0.0, 0.0, 0.0]], &Device::Cpu)?;
+/// let targets = Tensor::new(&[0u32, 2], &Device::Cpu)?;
+/// let loss = cross_entropy(&logits, &targets)?.to_scalar::<f32>()?;
+/// let lse0 = (2f32.exp() + 2.0).ln();
+/// assert!((loss - (lse0 - 2.0 + 3f32.ln()) / 2.0).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let [rows, vocab] = check::rank::<2>(OP, "logits", logits, "[R, V]")?;
+    check::float(OP, "logits", logits)?;
+    check::device(OP, "targets", targets, logits)?;
+    check::shape(OP, "targets", targets, &[rows], "[R]")?;
+    if rows == 0 || vocab == 0 {
+        bail!(
+            "{OP}: logits have an empty dimension, shape {:?}",
+            logits.dims()
+        )
+    }
+    let ids: Vec<i64> = match targets.dtype() {
+        DType::U8 | DType::U32 | DType::I64 => targets.to_dtype(DType::I64)?.to_vec1::<i64>()?,
+        other => bail!("{OP}: targets must be u8, u32 or i64 ids, got {other:?}"),
+    };
+    let mut held = Vec::with_capacity(rows);
+    for (r, &id) in ids.iter().enumerate() {
+        match u32::try_from(id) {
+            Ok(t) if (t as usize) < vocab => held.push(t),
+            _ => bail!("{OP}: target {id} at row {r} is not below the vocabulary size {vocab}"),
+        }
+    }
+    if !logits.device().is_cpu() {
+        return composed(logits, targets);
+    }
+    let op = CrossEntropy {
+        targets: held,
+        vocab,
+        lse: Mutex::new(Vec::new()),
+    };
+    if logits.track_op() {
+        logits.apply_op1(op)
+    } else {
+        logits.apply_op1_no_bwd(&op)
+    }
+}
+
+/// The loss from candle's ops, for devices without the op: `mean(lse − picked)` in f32 (f64).
+fn composed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let compute = if wide(logits.dtype()) {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let x = logits.to_dtype(compute)?;
+    let max = x.max_keepdim(D::Minus1)?;
+    let shifted = x.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let ids = targets.to_dtype(DType::U32)?.unsqueeze(1)?;
+    let picked = shifted.gather(&ids, 1)?;
+    (lse - picked)?.mean_all()
+}
