@@ -16,17 +16,22 @@
 //! `dt_bias` and `D` are f32 whatever the model dtype. The chunked scan runs with chunks of
 //! `chunk_size` tokens rounded up to a power of two and clamped to [16, 256]: the result does not
 //! depend on the chunk length, the kernels need a power of two ≥ 16, and 256 keeps the CUDA
-//! kernels on their tensor-core paths and bounds their shared memory.
+//! kernels on their tensor-core paths and bounds their shared memory. On the CPU the chunk is at
+//! most 64 tokens.
 
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{
-    causal_conv1d_split, causal_conv1d_step_split, gated_rms_norm, matvec, ssd, ssd_step,
-    ConvOptions, DtOptions, SsdOptions, StepOptions,
+    causal_conv1d, causal_conv1d_split, causal_conv1d_step_split, gated_rms_norm, matvec, ssd,
+    ssd_step, ssd_xbc, ConvOptions, DtOptions, SsdOptions, StepOptions,
 };
 
 use crate::cache::LayerState;
 use crate::Config;
+
+/// On the CPU the scan runs in chunks of at most this many tokens: the work inside a chunk grows
+/// with its length while the state passes between chunks are cheap there.
+const CPU_CHUNK: usize = 64;
 
 /// The weights of one mixer and the sizes it splits its projections by.
 #[derive(Debug)]
@@ -125,6 +130,39 @@ impl Mixer {
         ))
     }
 
+    /// `(z, xBC, dt)` of `u [B,L,d_model]`. When in_proj's weight tracks gradients, each piece is
+    /// its own product with rows of the weight: cut from one output, every piece's gradient would
+    /// be scattered into a zeroed `[B,L,in_proj_dim]` buffer.
+    fn project(&self, u: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let w = self.in_proj.weight();
+        if !w.track_op() {
+            return self.split(&rows_linear(&self.in_proj, u)?);
+        }
+        let (di, h, _, gn) = self.sizes();
+        let piece = |start: usize, len: usize| {
+            let bias = self
+                .in_proj
+                .bias()
+                .map(|b| b.narrow(0, start, len))
+                .transpose()?;
+            rows_linear(&Linear::new(w.narrow(0, start, len)?, bias), u)
+        };
+        Ok((
+            piece(0, di)?,
+            piece(di, di + 2 * gn)?,
+            piece(2 * di + 2 * gn, h)?,
+        ))
+    }
+
+    /// The scan's chunk length for `u`'s device: on the CPU at most [`CPU_CHUNK`].
+    fn chunk_for(&self, u: &Tensor) -> usize {
+        if u.device().is_cpu() {
+            self.chunk_size.min(CPU_CHUNK)
+        } else {
+            self.chunk_size
+        }
+    }
+
     /// Runs `u [B,L,d_model]` from `state` and leaves the state after the last token there.
     pub fn forward(&self, u: &Tensor, state: &mut LayerState) -> Result<Tensor> {
         let (out, conv, ssm) = self.run(u, Some(&state.conv), Some(&state.ssm))?;
@@ -149,27 +187,34 @@ impl Mixer {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, l, _) = u.dims3()?;
         let (di, h, p, gn) = self.sizes();
-        let (z, xbc, dt) = self.split(&self.in_proj.forward(u)?)?;
-        let (xbc, conv) = causal_conv1d_split(
-            &xbc,
-            &self.conv_weight,
-            conv_state,
-            &self.conv_options(),
-            &[di, gn, gn],
-        )?;
-        let groups = (b, l, self.ngroups, self.d_state);
-        let x = xbc[0].reshape((b, l, h, p))?;
-        let bm = xbc[1].reshape(groups)?;
-        let cm = xbc[2].reshape(groups)?;
+        let (z, xbc, dt) = self.project(u)?;
         let opts = SsdOptions {
-            chunk_size: self.chunk_size,
+            chunk_size: self.chunk_for(u),
             dt: self.dt_options(),
             d: Some(&self.d),
             z: None,
             initial_state: ssm_state,
             state_dtype: DType::F32,
         };
-        let (y, ssm) = ssd(&x, &dt, &self.a, &bm, &cm, &opts)?;
+        let conv_opts = self.conv_options();
+        let (y, conv, ssm) = if xbc.track_op() {
+            // Training: the conv's output goes to the scan whole, so that its gradient comes back
+            // whole.
+            let (xbc, conv) = causal_conv1d(&xbc, &self.conv_weight, conv_state, &conv_opts)?;
+            let groups_state = (self.ngroups, self.d_state);
+            let (y, ssm) = ssd_xbc(&xbc, &dt, &self.a, groups_state, &opts)?;
+            (y, conv, ssm)
+        } else {
+            let split = [di, gn, gn];
+            let (xbc, conv) =
+                causal_conv1d_split(&xbc, &self.conv_weight, conv_state, &conv_opts, &split)?;
+            let groups = (b, l, self.ngroups, self.d_state);
+            let x = xbc[0].reshape((b, l, h, p))?;
+            let bm = xbc[1].reshape(groups)?;
+            let cm = xbc[2].reshape(groups)?;
+            let (y, ssm) = ssd(&x, &dt, &self.a, &bm, &cm, &opts)?;
+            (y, conv, ssm)
+        };
         let y = gated_rms_norm(
             &y.reshape((b, l, di))?,
             &z,
@@ -177,7 +222,7 @@ impl Mixer {
             self.group_size,
             self.eps,
         )?;
-        Ok((self.out_proj.forward(&y)?, conv, ssm))
+        Ok((rows_linear(&self.out_proj, &y)?, conv, ssm))
     }
 
     /// Runs one token `u [B,d_model]`, updating `state` in place.
@@ -211,6 +256,19 @@ impl Mixer {
         )?;
         decode_linear(&self.out_proj, &y)
     }
+}
+
+/// `linear` on `x [.., K]` as one product over all its rows: candle's `Linear` broadcasts the
+/// weight over a batch dim instead, and the weight's gradient is then one product per batch
+/// entry, summed.
+pub(crate) fn rows_linear(linear: &Linear, x: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let (lead, k) = dims.split_at(dims.len().saturating_sub(1));
+    let rows: usize = lead.iter().product();
+    let y = linear.forward(&x.reshape((rows, k.iter().product::<usize>()))?)?;
+    let mut out = lead.to_vec();
+    out.push(y.dim(1)?);
+    y.reshape(out)
 }
 
 /// `linear` on the rows `x [R,K]` of a decode step: the few-row kernel on CUDA for R ≤ 8, where

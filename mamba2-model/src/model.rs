@@ -22,11 +22,11 @@ use std::path::Path;
 
 use candle_core::{bail, DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::{Embedding, Linear, VarBuilder};
-use mamba2_kernels::add_rms_norm;
+use mamba2_kernels::{add_rms_norm, cross_entropy};
 
 use crate::cache::Cache;
 use crate::checkpoint::{Checkpoint, ModelDir};
-use crate::mixer::{decode_linear, Mixer};
+use crate::mixer::{decode_linear, rows_linear, Mixer};
 use crate::Config;
 
 /// Prompt tokens per piece unless set otherwise.
@@ -400,11 +400,11 @@ impl Model {
         let targets = self
             .checked_ids(&ids.narrow(1, 1, l - 1)?)?
             .to_dtype(DType::U32)?;
-        candle_nn::loss::cross_entropy(&logits.reshape((b * (l - 1), v))?, &targets.flatten_all()?)
+        cross_entropy(&logits.reshape((b * (l - 1), v))?, &targets.flatten_all()?)
     }
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward(h)?.to_dtype(DType::F32)
+        rows_linear(&self.lm_head, h)?.to_dtype(DType::F32)
     }
 }
 
