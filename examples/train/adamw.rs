@@ -2,8 +2,8 @@
 //! clipping by global norm, and the learning-rate schedule.
 //!
 //! candle-nn's `AdamW` keeps its moments and step count private, so a checkpoint could not hold
-//! them; this one computes the same update with the same tensor ops in the same order (so it
-//! matches candle-nn's bit for bit, see `tests/train_cli.rs`), PyTorch's `AdamW`:
+//! them; this one computes the same update in the same order (so it matches candle-nn's bit for
+//! bit, see `tests/train_cli.rs`), PyTorch's `AdamW`:
 //!
 //! ```text
 //! m ← β1·m + (1−β1)·g        v ← β2·v + (1−β2)·g²        (t = the step, from 1)
@@ -11,13 +11,16 @@
 //! ```
 //!
 //! with the decay λ applied to the weights `new`'s predicate picks (the train example: matrices,
-//! not biases, norms, `A_log`, `D` or `dt_bias`, as `tools/train.py` does).
+//! not biases, norms, `A_log`, `D` or `dt_bias`, as `tools/train.py` does). On the CPU each
+//! weight's update is three passes in place (the two moments, then the weight) instead of a
+//! dozen tensor ops, every product rounded as its tensor op rounds it, so the bits are the same.
 
 use std::collections::HashMap;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Tensor, Var};
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, Var};
 use candle_nn::ParamsAdamW;
+use rayon::prelude::*;
 
 use crate::cli::Settings;
 
@@ -38,6 +41,118 @@ struct Slot {
     decay: bool,
 }
 
+/// Elements per task of the in-place updates.
+const TASK: usize = 1 << 14;
+
+/// The contiguous f32 elements of a CPU storage, or an error naming `what`.
+fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => candle_core::bail!("adamw: {what} must be contiguous f32"),
+    }
+}
+
+fn f32s_mut<'a>(
+    s: &'a mut CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<&'a mut [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&mut v[a..b]),
+        _ => candle_core::bail!("adamw: {what} must be contiguous f32"),
+    }
+}
+
+/// A moment updated in place: `m ← keep·m + mix·g` (`g²` for the second moment), each product
+/// rounded as candle's `affine` rounds it, so the update equals the tensor formula bit for bit.
+struct Ema {
+    keep: f32,
+    mix: f32,
+    square: bool,
+}
+
+impl Ema {
+    fn new(beta: f64, square: bool) -> Self {
+        Self {
+            keep: beta as f32,
+            mix: (1.0 - beta) as f32,
+            square,
+        }
+    }
+}
+
+impl InplaceOp2 for Ema {
+    fn name(&self) -> &'static str {
+        "adamw-moment"
+    }
+
+    fn cpu_fwd(
+        &self,
+        m: &mut CpuStorage,
+        m_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let (m, g) = (f32s_mut(m, m_l, "a moment")?, f32s(g, g_l, "a gradient")?);
+        let (keep, mix, square) = (self.keep, self.mix, self.square);
+        m.par_chunks_mut(TASK)
+            .zip(g.par_chunks(TASK))
+            .for_each(|(m, g)| {
+                for (m, &g) in m.iter_mut().zip(g) {
+                    let g = if square { g * g } else { g };
+                    *m = (*m * keep + 0.0) + (g * mix + 0.0);
+                }
+            });
+        Ok(())
+    }
+}
+
+/// The weight updated in place from its new moments:
+/// `θ ← keep·θ − lr · (m·scale_m) / (√(v·scale_v) + ε)`, rounded as the tensor formula.
+struct Update {
+    scale_m: f32,
+    scale_v: f32,
+    keep: f32,
+    eps: f32,
+    lr: f32,
+}
+
+impl InplaceOp3 for Update {
+    fn name(&self) -> &'static str {
+        "adamw-update"
+    }
+
+    fn cpu_fwd(
+        &self,
+        theta: &mut CpuStorage,
+        t_l: &Layout,
+        m: &CpuStorage,
+        m_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> candle_core::Result<()> {
+        let theta = f32s_mut(theta, t_l, "a weight")?;
+        let (m, v) = (f32s(m, m_l, "a moment")?, f32s(v, v_l, "a moment")?);
+        let Update {
+            scale_m,
+            scale_v,
+            keep,
+            eps,
+            lr,
+        } = *self;
+        theta
+            .par_chunks_mut(TASK)
+            .zip(m.par_chunks(TASK).zip(v.par_chunks(TASK)))
+            .for_each(|(t, (m, v))| {
+                for ((t, &m), &v) in t.iter_mut().zip(m).zip(v) {
+                    let adjusted = (m * scale_m + 0.0) / ((v * scale_v + 0.0).sqrt() * 1.0 + eps);
+                    *t = (*t * keep + 0.0) - (adjusted * lr + 0.0);
+                }
+            });
+        Ok(())
+    }
+}
+
 /// AdamW over named weights (see the module doc).
 pub struct AdamW {
     params: ParamsAdamW,
@@ -55,13 +170,14 @@ impl AdamW {
         let slots = vars
             .into_iter()
             .map(|(name, var)| {
-                let zeros = var.as_tensor().zeros_like()?;
+                // Two tensors: on the CPU the moments are updated in place.
+                let (m, v) = (var.as_tensor().zeros_like()?, var.as_tensor().zeros_like()?);
                 Ok(Slot {
                     decay: decay(&name, &var),
                     name,
                     var,
-                    m: zeros.clone(),
-                    v: zeros,
+                    m,
+                    v,
                 })
             })
             .collect::<Result<_>>()?;
@@ -89,6 +205,20 @@ impl AdamW {
         for (slot, g) in self.slots.iter_mut().zip(grads) {
             let lr_lambda = if slot.decay { lr * p.weight_decay } else { 0.0 };
             let theta = slot.var.as_tensor();
+            if theta.device().is_cpu() && theta.dtype() == DType::F32 {
+                let g = g.contiguous()?;
+                slot.m.inplace_op2(&g, &Ema::new(beta1, false))?;
+                slot.v.inplace_op2(&g, &Ema::new(beta2, true))?;
+                let update = Update {
+                    scale_m: scale_m as f32,
+                    scale_v: scale_v as f32,
+                    keep: (1f64 - lr_lambda) as f32,
+                    eps: p.eps as f32,
+                    lr: lr as f32,
+                };
+                theta.inplace_op3(&slot.m, &slot.v, &update)?;
+                continue;
+            }
             let next_m = ((&slot.m * beta1)? + (g * (1.0 - beta1))?)?;
             let next_v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
             let m_hat = (&next_m * scale_m)?;
