@@ -36,7 +36,9 @@ fn cross_entropy_equals_log_softmax_and_matches_finite_differences() -> Result<(
         .tensor(&[4, 9], 2.0, &Device::Cpu)?
         .to_dtype(DType::BF16)?;
     let ids = targets(4, 9, &mut rng)?;
-    let g = backward_grads(std::slice::from_ref(&logits), &|ins| cross_entropy(&ins[0], &ids))?;
+    let g = backward_grads(std::slice::from_ref(&logits), &|ins| {
+        cross_entropy(&ins[0], &ids)
+    })?;
     assert_eq!(cross_entropy(&logits, &ids)?.dtype(), DType::F32);
     assert_eq!(g[0].dtype(), DType::BF16);
     Ok(())

@@ -10,6 +10,8 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result, Storage, StorageRef, 
 use half::{bf16, f16};
 use num_traits::{Float, FromPrimitive};
 
+use crate::fastexp;
+
 /// A CPU compute type: values of every float dtype are read into one and results written back.
 pub(crate) trait Real:
     Float
@@ -31,6 +33,10 @@ pub(crate) trait Real:
     /// `v` as storage of `dtype`.
     fn storage(v: Vec<Self>, dtype: DType) -> Option<CpuStorage>;
     fn of(v: f32) -> Self;
+    /// e^x in a form element loops vectorise ([`fastexp`] in f32, libm in f64).
+    fn exp_v(self) -> Self;
+    /// 2^x, as [`Real::exp_v`].
+    fn exp2_v(self) -> Self;
     fn as_f32(self) -> f32;
     fn as_f64(self) -> f64;
 }
@@ -69,6 +75,16 @@ impl Real for f32 {
 
     fn of(v: f32) -> f32 {
         v
+    }
+
+    #[inline(always)]
+    fn exp_v(self) -> f32 {
+        fastexp::exp(self)
+    }
+
+    #[inline(always)]
+    fn exp2_v(self) -> f32 {
+        fastexp::exp2(self)
     }
 
     fn as_f32(self) -> f32 {
@@ -110,6 +126,16 @@ impl Real for f64 {
 
     fn of(v: f32) -> f64 {
         f64::from(v)
+    }
+
+    #[inline(always)]
+    fn exp_v(self) -> f64 {
+        self.exp()
+    }
+
+    #[inline(always)]
+    fn exp2_v(self) -> f64 {
+        self.exp2()
     }
 
     fn as_f32(self) -> f32 {

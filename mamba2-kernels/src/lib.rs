@@ -39,6 +39,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dt;
+mod fastexp;
 // The list itself serves build.rs and the tests; the launchers take only the names.
 #[cfg_attr(not(test), allow(dead_code))]
 mod instances;

@@ -11,27 +11,31 @@ use rayon::prelude::*;
 
 use crate::check::ConvDims;
 use crate::cpu::Real;
+use crate::fastexp::vectorised;
 
 /// Rows of the output gradient one task sums for dw and dbias; a fixed split keeps the sums
 /// (and so the gradients) the same from run to run.
 const ROWS_PER_TASK: usize = 64;
 
-#[inline]
+/// Elements per task of the element-wise passes.
+const TASK: usize = 1 << 14;
+
+#[inline(always)]
 fn sigmoid<T: Real>(v: T) -> T {
-    (T::one() + (-v).exp()).recip()
+    (T::one() + (-v).exp_v()).recip()
 }
 
-#[inline]
+#[inline(always)]
 fn act<T: Real>(v: T, silu: bool) -> T {
     if silu {
-        v / (T::one() + (-v).exp())
+        v / (T::one() + (-v).exp_v())
     } else {
         v
     }
 }
 
 /// `silu'(v) = σ(v)·(1 + v·(1 − σ(v)))`.
-#[inline]
+#[inline(always)]
 fn silu_grad<T: Real>(v: T) -> T {
     let s = sigmoid(v);
     s * (T::one() + v * (T::one() - s))
@@ -109,16 +113,18 @@ pub(super) fn prefill<T: Real>(
     let mut y = vec![T::zero(); batch * seqlen * dim];
     y.par_chunks_mut(dim).enumerate().for_each(|(row, yr)| {
         let (bi, t) = (row / seqlen, row % seqlen);
-        yr.copy_from_slice(bias);
-        for (k, wk) in wt.chunks_exact(dim).enumerate() {
-            let ur = u.row(bi, t, width - 1 - k);
-            for ((yv, &wv), &uv) in yr.iter_mut().zip(wk).zip(ur) {
-                *yv += wv * uv;
+        vectorised(|| {
+            yr.copy_from_slice(bias);
+            for (k, wk) in wt.chunks_exact(dim).enumerate() {
+                let ur = u.row(bi, t, width - 1 - k);
+                for ((yv, &wv), &uv) in yr.iter_mut().zip(wk).zip(ur) {
+                    *yv += wv * uv;
+                }
             }
-        }
-        for v in yr.iter_mut() {
-            *v = act(*v, silu);
-        }
+            for v in yr.iter_mut() {
+                *v = act(*v, silu);
+            }
+        })
     });
     let mut new_state = vec![T::zero(); batch * dim * width];
     for (bd, row) in new_state.chunks_exact_mut(width).enumerate() {
@@ -161,9 +167,15 @@ pub(super) fn backward<T: Real>(
     // The output holds act(a), which SiLU does not let us invert: a is recomputed.
     let da = if silu {
         let mut a = prefill(x, w, state, bias, false, dims).0;
-        a.par_iter_mut()
-            .zip(dy.par_iter())
-            .for_each(|(a, &g)| *a = g * silu_grad(*a));
+        a.par_chunks_mut(TASK)
+            .zip(dy.par_chunks(TASK))
+            .for_each(|(a, g)| {
+                vectorised(|| {
+                    for (a, &g) in a.iter_mut().zip(g) {
+                        *a = g * silu_grad(*a);
+                    }
+                })
+            });
         a
     } else {
         dy.to_vec()

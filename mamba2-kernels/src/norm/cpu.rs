@@ -10,10 +10,14 @@
 use rayon::prelude::*;
 
 use crate::cpu::Real;
+use crate::fastexp::vectorised;
 
 /// Rows one task of the backward sums for dw; a fixed split keeps the sums (and so the gradients)
 /// the same from run to run.
 const ROWS_PER_TASK: usize = 64;
+
+/// Elements per task of the element-wise passes.
+const TASK: usize = 1 << 14;
 
 /// `1 / sqrt(mean(v²) + eps)`, the reciprocal RMS of one row or group.
 #[inline]
@@ -23,9 +27,15 @@ fn rstd<T: Real>(v: &[T], eps: T) -> T {
     (mean_sq + eps).sqrt().recip()
 }
 
-#[inline]
+#[inline(always)]
 fn sigmoid<T: Real>(v: T) -> T {
-    (T::one() + (-v).exp()).recip()
+    (T::one() + (-v).exp_v()).recip()
+}
+
+/// `x·silu(z)`.
+#[inline(always)]
+fn gate<T: Real>(x: T, z: T) -> T {
+    x * z / (T::one() + (-z).exp_v())
 }
 
 /// `out = v / rms(v) · w` with `rms(v) = sqrt(mean(v²) + eps)`, the RMSNorm of one row or group.
@@ -45,9 +55,11 @@ pub(super) fn gated_rms_norm<T: Real>(x: &[T], z: &[T], w: &[T], group: usize, e
         .zip(x.par_chunks(dim).zip(z.par_chunks(dim)))
         .for_each(|(yr, (xr, zr))| {
             let mut gated = vec![T::zero(); dim];
-            for ((g, &xv), &zv) in gated.iter_mut().zip(xr).zip(zr) {
-                *g = xv * zv / (T::one() + (-zv).exp());
-            }
+            vectorised(|| {
+                for ((g, &xv), &zv) in gated.iter_mut().zip(xr).zip(zr) {
+                    *g = gate(xv, zv);
+                }
+            });
             for ((yg, gg), wg) in yr
                 .chunks_exact_mut(group)
                 .zip(gated.chunks_exact(group))
@@ -147,20 +159,34 @@ pub(super) fn gated_rms_norm_backward<T: Real>(
     group: usize,
     eps: T,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let gated: Vec<T> = x
-        .par_iter()
-        .zip(z.par_iter())
-        .map(|(&xv, &zv)| xv * zv / (T::one() + (-zv).exp()))
-        .collect();
+    let mut gated = vec![T::zero(); x.len()];
+    gated
+        .par_chunks_mut(TASK)
+        .zip(x.par_chunks(TASK).zip(z.par_chunks(TASK)))
+        .for_each(|(g, (x, z))| {
+            vectorised(|| {
+                for ((g, &xv), &zv) in g.iter_mut().zip(x).zip(z) {
+                    *g = gate(xv, zv);
+                }
+            })
+        });
     let (dg, dw) = rms_norm_backward(&gated, w, dy, group, eps);
-    let (dx, dz) = dg
-        .par_iter()
-        .zip(x.par_iter().zip(z.par_iter()))
-        .map(|(&d, (&xv, &zv))| {
-            let s = sigmoid(zv);
-            let silu_grad = s * (T::one() + zv * (T::one() - s));
-            (d * zv * s, d * xv * silu_grad)
-        })
-        .unzip();
+    let (mut dx, mut dz) = (gated, vec![T::zero(); x.len()]);
+    dx.par_chunks_mut(TASK)
+        .zip(dz.par_chunks_mut(TASK))
+        .zip(
+            dg.par_chunks(TASK)
+                .zip(x.par_chunks(TASK).zip(z.par_chunks(TASK))),
+        )
+        .for_each(|((dx, dz), (dg, (x, z)))| {
+            vectorised(|| {
+                let rows = dx.iter_mut().zip(dz.iter_mut());
+                for ((dxv, dzv), ((&d, &xv), &zv)) in rows.zip(dg.iter().zip(x).zip(z)) {
+                    let s = sigmoid(zv);
+                    *dxv = d * zv * s;
+                    *dzv = d * xv * s * (T::one() + zv * (T::one() - s));
+                }
+            })
+        });
     (dx, dz, dw)
 }

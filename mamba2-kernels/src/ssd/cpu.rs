@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use crate::check::SsdDims;
 use crate::cpu::{gemm, MatMut, MatRef, Real};
 use crate::dt::{self, DtRule};
+use crate::fastexp::vectorised;
 
 /// Stage 1: `[dt_out; da_cumsum]`, each `[B,H,L]`, from raw `dt [B,L,H]`, `a [H]` and the bias
 /// `[H]` (zeros when absent).
@@ -167,106 +168,109 @@ pub(super) fn compute_out<T: Real>(
         .enumerate()
         .for_each(|(bi, yb)| {
             yb.par_chunks_mut(t * hp).enumerate().for_each(|(ci, yc)| {
-                let (l0, tc) = (ci * t, yc.len() / hp);
-                let mut cb = vec![T::zero(); tc * tc];
-                let mut m = vec![T::zero(); tc * tc];
-                let bc0 = (bi * seqlen + l0) * gn;
-                for g in 0..ngroups {
-                    let cg = MatRef {
-                        data: &c[bc0 + g * dstate..],
-                        rs: gn,
-                        cs: 1,
-                    };
-                    gemm(
-                        (tc, tc, dstate),
-                        MatMut {
-                            data: &mut cb,
-                            rs: tc,
+                vectorised(|| {
+                    let (l0, tc) = (ci * t, yc.len() / hp);
+                    let mut cb = vec![T::zero(); tc * tc];
+                    let mut m = vec![T::zero(); tc * tc];
+                    let bc0 = (bi * seqlen + l0) * gn;
+                    for g in 0..ngroups {
+                        let cg = MatRef {
+                            data: &c[bc0 + g * dstate..],
+                            rs: gn,
                             cs: 1,
-                        },
-                        cg,
-                        MatRef {
-                            data: &b[bc0 + g * dstate..],
-                            rs: 1,
-                            cs: gn,
-                        },
-                        None,
-                    );
-                    for h in g * hpg..(g + 1) * hpg {
-                        let row = (bi * nheads + h) * seqlen + l0;
-                        let (d_t, dtv) = (&da[row..row + tc], &dt[row..row + tc]);
-                        let s0 = ((bi * nheads + h) * (nchunks + 1) + ci) * pn;
-                        let yh = &mut yc[h * headdim..];
+                        };
                         gemm(
-                            (tc, headdim, dstate),
+                            (tc, tc, dstate),
                             MatMut {
-                                data: yh,
-                                rs: hp,
+                                data: &mut cb,
+                                rs: tc,
                                 cs: 1,
                             },
                             cg,
                             MatRef {
-                                data: &states[s0..s0 + pn],
+                                data: &b[bc0 + g * dstate..],
                                 rs: 1,
-                                cs: dstate,
+                                cs: gn,
                             },
                             None,
                         );
-                        for (tt, dv) in d_t.iter().enumerate() {
-                            let decay = dv.exp2();
-                            for v in &mut yh[tt * hp..tt * hp + headdim] {
-                                *v *= decay;
-                            }
-                        }
-                        for tt in 0..tc {
-                            let mrow = &mut m[tt * tc..(tt + 1) * tc];
-                            for s in 0..=tt {
-                                mrow[s] = cb[tt * tc + s] * (d_t[tt] - d_t[s]).exp2() * dtv[s];
-                            }
-                            mrow[tt + 1..].fill(T::zero());
-                        }
-                        let x0 = ((bi * seqlen + l0) * nheads + h) * headdim;
-                        gemm(
-                            (tc, headdim, tc),
-                            MatMut {
-                                data: &mut yc[h * headdim..],
-                                rs: hp,
-                                cs: 1,
-                            },
-                            MatRef {
-                                data: &m,
-                                rs: tc,
-                                cs: 1,
-                            },
-                            MatRef {
-                                data: &x[x0..],
-                                rs: hp,
-                                cs: 1,
-                            },
-                            Some(T::one()),
-                        );
-                        for tt in 0..tc {
-                            let o = tt * hp + h * headdim;
-                            let xo = x0 + tt * hp;
-                            for p in 0..headdim {
-                                let mut v = yc[o + p];
-                                if let Some(d) = d {
-                                    let dv = if d_per_channel {
-                                        d[h * headdim + p]
-                                    } else {
-                                        d[h]
-                                    };
-                                    v += dv * x[xo + p];
+                        for h in g * hpg..(g + 1) * hpg {
+                            let row = (bi * nheads + h) * seqlen + l0;
+                            let (d_t, dtv) = (&da[row..row + tc], &dt[row..row + tc]);
+                            let s0 = ((bi * nheads + h) * (nchunks + 1) + ci) * pn;
+                            let yh = &mut yc[h * headdim..];
+                            gemm(
+                                (tc, headdim, dstate),
+                                MatMut {
+                                    data: yh,
+                                    rs: hp,
+                                    cs: 1,
+                                },
+                                cg,
+                                MatRef {
+                                    data: &states[s0..s0 + pn],
+                                    rs: 1,
+                                    cs: dstate,
+                                },
+                                None,
+                            );
+                            for (tt, dv) in d_t.iter().enumerate() {
+                                let decay = dv.exp2_v();
+                                for v in &mut yh[tt * hp..tt * hp + headdim] {
+                                    *v *= decay;
                                 }
-                                if let Some(z) = z {
-                                    let zv = z[xo + p];
-                                    v *= zv / (T::one() + (-zv).exp());
+                            }
+                            for tt in 0..tc {
+                                let mrow = &mut m[tt * tc..(tt + 1) * tc];
+                                for s in 0..=tt {
+                                    mrow[s] =
+                                        cb[tt * tc + s] * (d_t[tt] - d_t[s]).exp2_v() * dtv[s];
                                 }
-                                yc[o + p] = v;
+                                mrow[tt + 1..].fill(T::zero());
+                            }
+                            let x0 = ((bi * seqlen + l0) * nheads + h) * headdim;
+                            gemm(
+                                (tc, headdim, tc),
+                                MatMut {
+                                    data: &mut yc[h * headdim..],
+                                    rs: hp,
+                                    cs: 1,
+                                },
+                                MatRef {
+                                    data: &m,
+                                    rs: tc,
+                                    cs: 1,
+                                },
+                                MatRef {
+                                    data: &x[x0..],
+                                    rs: hp,
+                                    cs: 1,
+                                },
+                                Some(T::one()),
+                            );
+                            for tt in 0..tc {
+                                let o = tt * hp + h * headdim;
+                                let xo = x0 + tt * hp;
+                                for p in 0..headdim {
+                                    let mut v = yc[o + p];
+                                    if let Some(d) = d {
+                                        let dv = if d_per_channel {
+                                            d[h * headdim + p]
+                                        } else {
+                                            d[h]
+                                        };
+                                        v += dv * x[xo + p];
+                                    }
+                                    if let Some(z) = z {
+                                        let zv = z[xo + p];
+                                        v *= zv / (T::one() + (-zv).exp_v());
+                                    }
+                                    yc[o + p] = v;
+                                }
                             }
                         }
                     }
-                }
+                })
             })
         });
     y

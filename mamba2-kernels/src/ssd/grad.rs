@@ -29,6 +29,7 @@ use super::cpu::{self, OutInputs};
 use crate::check::SsdDims;
 use crate::cpu::{gemm, round_to, MatMut, MatRef, Real};
 use crate::dt::{self, DtRule};
+use crate::fastexp::vectorised;
 use candle_core::DType;
 
 /// What the backward reads: the forward's inputs (raw dt, a and bias as the op took them).
@@ -98,13 +99,15 @@ fn out<T>(data: &mut [T], cols: usize) -> MatMut<'_, T> {
     }
 }
 
+#[inline(always)]
 fn silu<T: Real>(z: T) -> T {
-    z / (T::one() + (-z).exp())
+    z / (T::one() + (-z).exp_v())
 }
 
 /// d silu(z) / dz = σ(z)·(1 + z·(1 − σ(z))).
+#[inline(always)]
 fn silu_grad<T: Real>(z: T) -> T {
-    let s = (T::one() + (-z).exp()).recip();
+    let s = (T::one() + (-z).exp_v()).recip();
     s * (T::one() + z * (T::one() - s))
 }
 
@@ -171,7 +174,7 @@ pub(super) fn backward<T: Real>(
 
     let heads: Vec<HeadGrads<T>> = (0..batch * nheads)
         .into_par_iter()
-        .map(|bh| head(inp, &dy, dlast, (dtp, da), &states, bh))
+        .map(|bh| vectorised(|| head(inp, &dy, dlast, (dtp, da), &states, bh)))
         .collect();
 
     let (hp, gn, pn) = (nheads * headdim, ngroups * dstate, headdim * dstate);
@@ -342,22 +345,26 @@ fn head<T: Real>(
         let (w, a) = (&mut ws[..tc * tc], &mut am[..tc * tc]);
         let mut ddt = vec![T::zero(); tc];
         for t in 0..tc {
-            for s_ in 0..tc {
-                let k = t * tc + s_;
-                if s_ > t {
-                    w[k] = T::zero();
-                    a[k] = T::zero();
-                    continue;
-                }
-                let decay = (g[t] - g[s_]).exp();
-                ddt[s_] += decay * s[k] * m[k];
-                let e = decay * dts[s_];
-                w[k] = e * s[k];
-                a[k] = e * m[k];
+            let row = t * tc..(t + 1) * tc;
+            let (wr, ar) = (&mut w[row.clone()], &mut a[row.clone()]);
+            let (sr, mr) = (&s[row.clone()], &m[row]);
+            let lower = (wr[..=t].iter_mut().zip(&mut ar[..=t]))
+                .zip(sr.iter().zip(mr))
+                .zip(ddt.iter_mut().zip(g.iter().zip(dts)));
+            for (((wv, av), (&sv, &mv)), (dd, (&gs, &dt))) in lower {
+                let decay = (g[t] - gs).exp_v();
+                *dd += decay * sv * mv;
+                let e = decay * dt;
+                *wv = e * sv;
+                *av = e * mv;
             }
+            wr[t + 1..].fill(T::zero());
+            ar[t + 1..].fill(T::zero());
         }
-        let r: Vec<T> = (0..tc).map(|s_| (g_last - g[s_]).exp() * dts[s_]).collect();
-        let e_g: Vec<T> = g.iter().map(|v| v.exp()).collect();
+        let r: Vec<T> = (0..tc)
+            .map(|s_| (g_last - g[s_]).exp_v() * dts[s_])
+            .collect();
+        let e_g: Vec<T> = g.iter().map(|v| v.exp_v()).collect();
         // B·dH'ᵀ (tc × P): the dH' terms of dx, and x_sᵀ·dH'·B_s by rows.
         let bdh = &mut bdh[..tc * p];
         gemm((tc, p, n), out(bdh, p), mat(b, n), mat_t(&dh, n), None);
