@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor, D};
+use candle_core::Tensor;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -39,17 +39,6 @@ struct Args {
     batch: usize,
     #[command(flatten)]
     model: common::ModelArgs,
-}
-
-/// Σ −log p(x_t | x_<t) over t = 1..len−1 of every window in `windows [B, len]`.
-fn window_nll(model: &mamba2::model::Model, windows: &Tensor) -> Result<f64> {
-    let (batch, len) = windows.dims2()?;
-    let mut cache = model.new_cache(batch)?;
-    let logits = model.forward(&windows.narrow(1, 0, len - 1)?, &mut cache)?;
-    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let targets = windows.narrow(1, 1, len - 1)?.unsqueeze(2)?;
-    let picked = logp.gather(&targets.contiguous()?, 2)?;
-    Ok(-picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?)
 }
 
 fn main() -> Result<()> {
@@ -110,7 +99,7 @@ fn main() -> Result<()> {
             .count();
         let flat: Vec<u32> = rest[..n].concat();
         let batch = Tensor::from_vec(flat, (n, first.len()), model.device())?;
-        nll += window_nll(model, &batch)?;
+        nll += model.nll_sum(&batch)?;
         done += n * (first.len() - 1);
         bar.set_position(done as u64);
         bar.set_message(format!("ppl {:.4}", (nll / done as f64).exp()));

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Tensor, Var, D};
+use candle_core::{Tensor, Var};
 use candle_nn::{ParamsAdamW, VarBuilder};
 use indicatif::{ProgressBar, ProgressStyle};
 use mamba2::model::{byte_tokenizer, Config, Model, Tokenizer, TrainableModel, BYTE_VOCAB};
@@ -126,17 +126,6 @@ fn start(
     })
 }
 
-/// Σ −log p(x_t | x_<t) over t = 1..len−1 of every window in `windows [B, len]`.
-fn window_nll(model: &Model, windows: &Tensor) -> Result<f64> {
-    let (batch, len) = windows.dims2()?;
-    let mut cache = model.new_cache(batch)?;
-    let logits = model.forward(&windows.narrow(1, 0, len - 1)?, &mut cache)?;
-    let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-    let targets = windows.narrow(1, 1, len - 1)?.unsqueeze(2)?;
-    let picked = logp.gather(&targets.contiguous()?, 2)?;
-    Ok(-picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?)
-}
-
 /// The mean held-out loss: non-overlapping windows of `window` tokens (the last one kept with 2
 /// tokens or more), each from an empty state, `batch` at a time — the `perplexity` example's
 /// definition. The model is built on detached weights, so no gradient graph is recorded.
@@ -164,7 +153,7 @@ fn evaluate(
             .take_while(|w| w.len() == first.len())
             .count();
         let ids = Tensor::from_vec(rest[..n].concat(), (n, first.len()), trainable.device())?;
-        nll += window_nll(&model, &ids)?;
+        nll += model.nll_sum(&ids)?;
         count += n * (first.len() - 1);
         rest = &rest[n..];
     }

@@ -20,7 +20,7 @@
 
 use std::path::Path;
 
-use candle_core::{bail, DType, Device, IndexOp, Module, Result, Tensor};
+use candle_core::{bail, DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
 use mamba2_kernels::{add_rms_norm, cross_entropy};
 
@@ -401,6 +401,38 @@ impl Model {
             .checked_ids(&ids.narrow(1, 1, l - 1)?)?
             .to_dtype(DType::U32)?;
         cross_entropy(&logits.reshape((b * (l - 1), v))?, &targets.flatten_all()?)
+    }
+
+    /// `Σ −log p(ids[b,t] | ids[b,<t])` over t = 1..L−1 of every row of `ids [B, L]` (L ≥ 2),
+    /// each row from an empty state, in f64: the held-out score of the `perplexity` and `train`
+    /// examples (perplexity = exp of the sum over the count of predicted tokens).
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use mamba2_model::Model;
+    ///
+    /// let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../weights");
+    /// let model = Model::load(dir, DType::F32, &Device::Cpu)?;
+    /// let ids = Tensor::new(&[[5u32, 17, 260, 31, 9]], &Device::Cpu)?;
+    /// // The mean loss of the same 4 predictions, times 4.
+    /// let mean = f64::from(model.loss(&ids)?.to_scalar::<f32>()?);
+    /// assert!((model.nll_sum(&ids)? - 4.0 * mean).abs() < 1e-3);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn nll_sum(&self, ids: &Tensor) -> Result<f64> {
+        let (batch, len) = match ids.dims() {
+            &[b, l] if l >= 2 => (b, l),
+            d => bail!("nll_sum needs ids of shape [B, L] with L >= 2, got {d:?}"),
+        };
+        let mut cache = self.new_cache(batch)?;
+        let logits = self.forward(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let targets = self
+            .checked_ids(&ids.narrow(1, 1, len - 1)?)?
+            .to_dtype(DType::U32)?
+            .unsqueeze(2)?;
+        let picked = logp.gather(&targets.contiguous()?, 2)?;
+        Ok(-picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?)
     }
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
