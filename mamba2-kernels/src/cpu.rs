@@ -147,6 +147,10 @@ impl Real for f64 {
     }
 }
 
+/// Elements one rayon task takes in an element-wise pass: large enough that splitting costs
+/// nothing beside the work, small enough that every core gets several tasks.
+pub(crate) const ELEMENTS_PER_TASK: usize = 1 << 14;
+
 /// A candle argument of a CPU op: its storage and layout.
 pub(crate) type CpuArg<'a> = (&'a CpuStorage, &'a Layout);
 

@@ -10,15 +10,12 @@
 use rayon::prelude::*;
 
 use crate::check::ConvDims;
-use crate::cpu::Real;
+use crate::cpu::{Real, ELEMENTS_PER_TASK};
 use crate::fastexp::vectorised;
 
 /// Rows of the output gradient one task sums for dw and dbias; a fixed split keeps the sums
 /// (and so the gradients) the same from run to run.
 const ROWS_PER_TASK: usize = 64;
-
-/// Elements per task of the element-wise passes.
-const TASK: usize = 1 << 14;
 
 #[inline(always)]
 fn sigmoid<T: Real>(v: T) -> T {
@@ -167,8 +164,8 @@ pub(super) fn backward<T: Real>(
     // The output holds act(a), which SiLU does not let us invert: a is recomputed.
     let da = if silu {
         let mut a = prefill(x, w, state, bias, false, dims).0;
-        a.par_chunks_mut(TASK)
-            .zip(dy.par_chunks(TASK))
+        a.par_chunks_mut(ELEMENTS_PER_TASK)
+            .zip(dy.par_chunks(ELEMENTS_PER_TASK))
             .for_each(|(a, g)| {
                 vectorised(|| {
                     for (a, &g) in a.iter_mut().zip(g) {

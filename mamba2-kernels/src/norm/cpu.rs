@@ -9,15 +9,12 @@
 
 use rayon::prelude::*;
 
-use crate::cpu::Real;
+use crate::cpu::{Real, ELEMENTS_PER_TASK};
 use crate::fastexp::vectorised;
 
 /// Rows one task of the backward sums for dw; a fixed split keeps the sums (and so the gradients)
 /// the same from run to run.
 const ROWS_PER_TASK: usize = 64;
-
-/// Elements per task of the element-wise passes.
-const TASK: usize = 1 << 14;
 
 /// `1 / sqrt(mean(v²) + eps)`, the reciprocal RMS of one row or group.
 #[inline]
@@ -161,8 +158,11 @@ pub(super) fn gated_rms_norm_backward<T: Real>(
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let mut gated = vec![T::zero(); x.len()];
     gated
-        .par_chunks_mut(TASK)
-        .zip(x.par_chunks(TASK).zip(z.par_chunks(TASK)))
+        .par_chunks_mut(ELEMENTS_PER_TASK)
+        .zip(
+            x.par_chunks(ELEMENTS_PER_TASK)
+                .zip(z.par_chunks(ELEMENTS_PER_TASK)),
+        )
         .for_each(|(g, (x, z))| {
             vectorised(|| {
                 for ((g, &xv), &zv) in g.iter_mut().zip(x).zip(z) {
@@ -172,11 +172,13 @@ pub(super) fn gated_rms_norm_backward<T: Real>(
         });
     let (dg, dw) = rms_norm_backward(&gated, w, dy, group, eps);
     let (mut dx, mut dz) = (gated, vec![T::zero(); x.len()]);
-    dx.par_chunks_mut(TASK)
-        .zip(dz.par_chunks_mut(TASK))
+    dx.par_chunks_mut(ELEMENTS_PER_TASK)
+        .zip(dz.par_chunks_mut(ELEMENTS_PER_TASK))
         .zip(
-            dg.par_chunks(TASK)
-                .zip(x.par_chunks(TASK).zip(z.par_chunks(TASK))),
+            dg.par_chunks(ELEMENTS_PER_TASK).zip(
+                x.par_chunks(ELEMENTS_PER_TASK)
+                    .zip(z.par_chunks(ELEMENTS_PER_TASK)),
+            ),
         )
         .for_each(|((dx, dz), (dg, (x, z)))| {
             vectorised(|| {
