@@ -16,9 +16,27 @@
 //! random places in the training text (SplitMix64 seeded by `--seed`: the same seed gives the
 //! same run) and takes one AdamW step (β 0.9/0.95, decoupled weight decay on matrices) on the
 //! mean next-token cross-entropy, its gradient clipped to a global norm of `--clip`; the learning
-//! rate warms up linearly over `--warmup` steps, then follows a cosine down to `--final-lr-frac`
-//! of `--lr`. The last books of the file (or its last fraction) are held out, and their
-//! perplexity over non-overlapping windows of `--seq-len` is reported every `--eval-every` steps.
+//! rate warms up linearly over `--warmup` steps, then follows `--schedule`: a cosine down to
+//! `--final-lr-frac` of `--lr` (the default), or WSD as `tools/train.py` (constant, then a linear
+//! decay to that floor over the last `--cooldown-frac` of the steps). The last books of the file
+//! (or its last fraction) are held out, and their perplexity over non-overlapping windows of
+//! `--seq-len` is reported every `--eval-every` steps.
+//!
+//! `--minutes M` gives the invocation a wall-clock budget, as `tools/train.py`'s: training stops
+//! after the step that crosses M minutes less `--reserve-s` seconds from the start, which are
+//! kept for the final evaluation and checkpoint, and the schedule runs over a step count planned
+//! from the measured step time (`train/schedule.rs`). The shipped model, retrained on one GPU in
+//! at most 6 minutes:
+//!
+//! ```sh
+//! cargo run --release --features cuda --example train -- --device cuda --dtype bf16 \
+//!     --data gutenberg-114.txt --config weights/config.json --tokenizer weights/tokenizer.json \
+//!     --out runs/shipped --batch-size 64 --seq-len 1025 --lr 3e-3 --final-lr-frac 0.02 \
+//!     --warmup 150 --schedule wsd --minutes 6 --eval-every 200 --save-every 0
+//! ```
+//!
+//! On CUDA the optimizer is fused kernels over all weights and a step waits for the device once,
+//! to read its losses and gradient norm; the program ends with the peak GPU memory.
 //!
 //! `--out` receives a checkpoint every `--save-every` steps and at the end, atomically: a model
 //! directory in the HF layout with its `tokenizer.json` (`generate` and `perplexity` load it),
@@ -41,6 +59,8 @@ mod curve;
 mod data;
 #[path = "train/run.rs"]
 mod run;
+#[path = "train/schedule.rs"]
+mod schedule;
 
 use anyhow::Result;
 use clap::Parser;
@@ -74,5 +94,13 @@ fn main() -> Result<()> {
         outcome.tokens_per_s,
         outcome.out.display()
     );
+    if let Some((used, held)) = outcome.peak_gpu_bytes {
+        let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+        println!(
+            "peak GPU memory: {:.2} GiB in use, {:.2} GiB held by the memory pool",
+            gib(used),
+            gib(held)
+        );
+    }
     Ok(())
 }

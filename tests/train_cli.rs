@@ -19,6 +19,8 @@ mod curve;
 mod data;
 #[path = "../examples/train/run.rs"]
 mod run;
+#[path = "../examples/train/schedule.rs"]
+mod schedule;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -176,6 +178,7 @@ fn loss_falls_and_the_checkpoint_loads_and_scores_as_reported() -> Result<()> {
     let outcome = run::train(&run)?;
     eprintln!("tiny model: {:.0} tokens/s", outcome.tokens_per_s);
     assert_eq!((outcome.step, outcome.out.as_path()), (20, out.as_path()));
+    assert_eq!(outcome.peak_gpu_bytes, None, "no GPU memory on the CPU");
 
     let log = rows(&out);
     assert_eq!(log.len(), 21, "an evaluation row, then one row per step");
@@ -361,6 +364,45 @@ fn bad_input_is_an_error_naming_it_before_anything_is_written() -> Result<()> {
             args(&data, &config, &out, &["--device", "tpu"]),
             "--device must be",
         ),
+        (
+            args(&data, &config, &out, &["--cooldown-frac", "0.5"]),
+            "--cooldown-frac applies to --schedule wsd only",
+        ),
+        (
+            args(
+                &data,
+                &config,
+                &out,
+                &["--schedule", "wsd", "--cooldown-frac", "1.5"],
+            ),
+            "--cooldown-frac must be in [0, 1], got 1.5",
+        ),
+        (
+            args(&data, &config, &out, &["--minutes", "0"]),
+            "--minutes must be a finite number > 0, got 0",
+        ),
+        (
+            args(&data, &config, &out, &["--minutes", "NaN"]),
+            "--minutes must be a finite number > 0, got NaN",
+        ),
+        (
+            args(
+                &data,
+                &config,
+                &out,
+                &["--minutes", "1", "--reserve-s", "-1"],
+            ),
+            "--reserve-s must be a finite number >= 0, got -1",
+        ),
+        (
+            args(
+                &data,
+                &config,
+                &out,
+                &["--minutes", "0.5", "--reserve-s", "30"],
+            ),
+            "--minutes 0.5 leaves no training time",
+        ),
     ];
     for (bad, expected) in cases {
         let err = format!("{:#}", run::train(&bad).expect_err(expected));
@@ -369,6 +411,35 @@ fn bad_input_is_an_error_naming_it_before_anything_is_written() -> Result<()> {
     assert!(
         !out.join("model.safetensors").exists(),
         "an error left a checkpoint behind"
+    );
+    let no_budget = [
+        "train",
+        "--config",
+        "c",
+        "--data",
+        "d",
+        "--out",
+        "o",
+        "--reserve-s",
+        "5",
+    ];
+    let err = cli::Args::try_parse_from(no_budget).expect_err("--reserve-s without --minutes");
+    assert!(err.to_string().contains("--minutes"), "{err}");
+    let bad_schedule = [
+        "train",
+        "--config",
+        "c",
+        "--data",
+        "d",
+        "--out",
+        "o",
+        "--schedule",
+        "step",
+    ];
+    let err = cli::Args::try_parse_from(bad_schedule).expect_err("--schedule step");
+    assert!(
+        err.to_string().contains("cosine") && err.to_string().contains("wsd"),
+        "{err}"
     );
 
     // A checkpoint, then what cannot continue it.
@@ -546,7 +617,7 @@ fn adamw_matches_candle_nn_bit_for_bit() -> Result<()> {
         let loss = |w: &Var| w.as_tensor().mul(&c)?.sqr()?.sum_all();
         let g_ours = loss(&ours_w)?.backward()?;
         let g = g_ours.get(ours_w.as_tensor()).cloned().expect("a gradient");
-        ours.step(&[g])?;
+        ours.clip_and_step(vec![g], 0.0)?;
         theirs.step(&loss(&theirs_w)?.backward()?)?;
         let (a, b) = (
             ours_w.flatten_all()?.to_vec1::<f32>()?,
@@ -567,14 +638,14 @@ fn schedule_warms_up_then_decays_to_the_floor_and_clipping_bounds_the_norm() -> 
         None,
     )?;
     (s.steps, s.warmup, s.lr, s.final_lr_frac) = (100, 10, 1e-3, 0.1);
-    assert!((adamw::lr_at(&s, 0) - 1e-4).abs() < 1e-15);
-    assert!((adamw::lr_at(&s, 9) - 1e-3).abs() < 1e-15);
-    assert!((adamw::lr_at(&s, 10) - 1e-3).abs() < 1e-15);
+    assert!((schedule::lr_at(&s, 0) - 1e-4).abs() < 1e-15);
+    assert!((schedule::lr_at(&s, 9) - 1e-3).abs() < 1e-15);
+    assert!((schedule::lr_at(&s, 10) - 1e-3).abs() < 1e-15);
     assert!(
-        (adamw::lr_at(&s, 99) - 1e-4).abs() < 1e-15,
+        (schedule::lr_at(&s, 99) - 1e-4).abs() < 1e-15,
         "the last step is at the floor"
     );
-    let mid = adamw::lr_at(&s, 10 + 89 / 2);
+    let mid = schedule::lr_at(&s, 10 + 89 / 2);
     assert!(mid > 5e-4 && mid < 6e-4, "halfway down the cosine: {mid}");
 
     let g = vec![
@@ -590,6 +661,255 @@ fn schedule_warms_up_then_decays_to_the_floor_and_clipping_bounds_the_norm() -> 
         kept[1].to_vec1::<f32>()?,
         [4.0],
         "a norm below the bound is left alone"
+    );
+    Ok(())
+}
+
+#[test]
+fn wsd_holds_the_rate_then_decays_linearly_to_the_floor_at_the_last_step() -> Result<()> {
+    let mut s = cli::settings(
+        &cli::Args::try_parse_from([
+            "train",
+            "--config",
+            "c",
+            "--data",
+            "d",
+            "--out",
+            "o",
+            "--schedule",
+            "wsd",
+        ])?,
+        None,
+    )?;
+    (s.steps, s.warmup, s.lr, s.final_lr_frac) = (100, 10, 1e-3, 0.1);
+    assert_eq!(s.cooldown_frac, 0.3, "the default of tools/train.py");
+    assert!((schedule::lr_at(&s, 0) - 1e-4).abs() < 1e-15);
+    assert_eq!(schedule::cooldown_start(&s), 70);
+    for step in [10, 40, 69] {
+        assert_eq!(schedule::lr_at(&s, step), 1e-3, "stable at step {step}");
+    }
+    let rates: Vec<f64> = (70..100).map(|t| schedule::lr_at(&s, t)).collect();
+    assert!(rates.windows(2).all(|w| w[1] < w[0]), "{rates:?}");
+    let steps: Vec<f64> = rates.windows(2).map(|w| w[0] - w[1]).collect();
+    assert!(
+        steps.iter().all(|d| (d - steps[0]).abs() < 1e-15),
+        "a straight line: {steps:?}"
+    );
+    assert!(
+        (rates[29] - 1e-4).abs() < 1e-15,
+        "the last step is at the floor"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_budget_plans_the_run_from_the_step_time_and_fixes_a_wsd_plan_in_its_decay() -> Result<()> {
+    let mut s = cli::settings(
+        &cli::Args::try_parse_from([
+            "train",
+            "--config",
+            "c",
+            "--data",
+            "d",
+            "--out",
+            "o",
+            "--schedule",
+            "wsd",
+            "--minutes",
+            "1",
+            "--reserve-s",
+            "0",
+        ])?,
+        None,
+    )?;
+    assert_eq!(
+        (s.steps, s.warmup),
+        (usize::MAX, 100),
+        "no plan before timing"
+    );
+    let start = std::time::Instant::now();
+    let mut budget = schedule::Budget::new(start, 1.0, 0.0, s.steps, true);
+    let at = |secs: u64| start + std::time::Duration::from_secs(secs);
+    // One second per step: timed from the 3rd, planned at step 10 with 50 s left.
+    let mut plans = Vec::new();
+    for done in 1..=59 {
+        if let Some(plan) = budget.after_step(&mut s, done, at(done as u64)) {
+            plans.push((done, s.steps, plan));
+        }
+        assert!(!budget.expired(at(done as u64)));
+    }
+    assert!(budget.expired(at(60)));
+    eprintln!("{plans:#?}");
+    assert_eq!((plans[0].0, plans[0].1), (10, 59), "10 + 98 % of 50 steps");
+    assert_eq!(s.warmup, 5, "the first plan caps the warm-up at a tenth");
+    assert!(plans[0].2.contains("1000.0 ms per step"), "{}", plans[0].2);
+    // The decay starts at 70 % of 59 = step 41: the plan of step 50 is the last one.
+    let last = plans.last().map(|p| p.0);
+    assert_eq!(last, Some(50), "{plans:?}");
+    assert!(plans.iter().all(|p| p.1 == 59), "{plans:?}");
+    Ok(())
+}
+
+#[test]
+fn a_timed_run_stops_on_time_with_a_complete_checkpoint() -> Result<()> {
+    let dir = scratch("timed");
+    let (data, config, out) = (
+        write_corpus(&dir, 5),
+        write_config(&dir, "tiny.json", 32, 2),
+        dir.join("out"),
+    );
+    let started = std::time::Instant::now();
+    let timed = [
+        "--minutes",
+        "0.05",
+        "--reserve-s",
+        "0",
+        "--schedule",
+        "wsd",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "0",
+        "--heldout-books",
+        "1",
+    ];
+    let outcome = run::train(&args(&data, &config, &out, &timed))?;
+    let took = started.elapsed().as_secs_f64();
+    let state = checkpoint::read_state(&out)?;
+    eprintln!("{} steps in {took:.1} s", outcome.step);
+    assert!(
+        outcome.step >= 1 && took < 30.0,
+        "{} steps in {took} s",
+        outcome.step
+    );
+    assert_eq!(
+        (state.step, state.settings.steps),
+        (outcome.step, outcome.step),
+        "a timed run's checkpoint records its steps as the run's length"
+    );
+    assert_eq!(rows(&out).len(), outcome.step + 1);
+    let err = format!(
+        "{:#}",
+        run::train(&resume(&out, &[])).expect_err("complete")
+    );
+    assert!(err.contains("already at step"), "{err}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// The fused AdamW of CUDA against the CPU's: the same bits when clipping leaves the gradients
+/// alone, the same numbers to rounding when it scales them; a non-finite norm skips the update
+/// and an overflowing one is flagged. Weights of 1 to 20,000 elements cross the kernels' chunks.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_fused_cuda_adamw_matches_the_cpu_update() -> Result<()> {
+    let cuda = Device::new_cuda(0)?;
+    let sizes = [1usize, 300, 8191, 8192, 8193, 20_000];
+    let values = |n: usize, seed: f64| -> Result<Tensor> {
+        Ok((Tensor::arange(0f32, n as f32, &Device::Cpu)?
+            .affine(0.37, seed)?
+            .sin()?
+            * 0.5)?)
+    };
+    let params = ParamsAdamW {
+        lr: 0.01,
+        beta1: adamw::BETA1,
+        beta2: adamw::BETA2,
+        eps: adamw::EPS,
+        weight_decay: 0.1,
+    };
+    let optimizer = |dev: &Device| -> Result<(adamw::AdamW, Vec<Var>)> {
+        let vars = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Ok(Var::from_tensor(&values(n, i as f64)?.to_device(dev)?)?))
+            .collect::<Result<Vec<_>>>()?;
+        let named = vars
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (format!("w{i}"), v.clone()))
+            .collect();
+        let opt = adamw::AdamW::new(named, params.clone(), |name, _| name != "w0")?;
+        Ok((opt, vars))
+    };
+    let weights = |vars: &[Var]| -> Result<Vec<Vec<f32>>> {
+        vars.iter()
+            .map(|v| Ok(v.as_tensor().to_device(&Device::Cpu)?.to_vec1::<f32>()?))
+            .collect()
+    };
+    for clip in [0.0, 1e-2, 1e4] {
+        let (mut cpu, cpu_vars) = optimizer(&Device::Cpu)?;
+        let (mut gpu, gpu_vars) = optimizer(&cuda)?;
+        for step in 0..3 {
+            let grads = sizes
+                .iter()
+                .map(|&n| values(n, 10.0 + step as f64))
+                .collect::<Result<Vec<_>>>()?;
+            let on_gpu = grads
+                .iter()
+                .map(|g| Ok(g.to_device(&cuda)?))
+                .collect::<Result<Vec<_>>>()?;
+            let zero = |dev: &Device| Tensor::new(0f32, dev);
+            let a = cpu
+                .clip_and_step(grads, clip)?
+                .read(&[zero(&Device::Cpu)?])?;
+            let b = gpu.clip_and_step(on_gpu, clip)?.read(&[zero(&cuda)?])?;
+            assert!(
+                b.finite && (a.norm - b.norm).abs() < 1e-5 * a.norm,
+                "{} vs {}",
+                a.norm,
+                b.norm
+            );
+            let (x, y) = (weights(&cpu_vars)?, weights(&gpu_vars)?);
+            let scaled = clip > 0.0 && a.norm > clip;
+            for (i, (x, y)) in x.iter().zip(&y).enumerate() {
+                if scaled {
+                    let worst = x
+                        .iter()
+                        .zip(y)
+                        .map(|(p, q)| (p - q).abs())
+                        .fold(0f32, f32::max);
+                    assert!(
+                        worst <= 1e-6,
+                        "clip {clip}, step {step}, weight {i}: off by {worst}"
+                    );
+                } else {
+                    assert!(
+                        x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "clip {clip}, step {step}, weight {i}: the bits differ"
+                    );
+                }
+            }
+        }
+    }
+    // A NaN gradient: no update. A rate beyond f32's range: infinite weights, flagged.
+    let (mut gpu, gpu_vars) = optimizer(&cuda)?;
+    let before = weights(&gpu_vars)?;
+    let mut grads = sizes
+        .iter()
+        .map(|&n| Ok(values(n, 3.0)?.to_device(&cuda)?))
+        .collect::<Result<Vec<_>>>()?;
+    grads[2] = (grads[2].clone() * f64::NAN)?;
+    let read = gpu
+        .clip_and_step(grads, 1.0)?
+        .read(&[Tensor::new(0f32, &cuda)?])?;
+    assert!(read.norm.is_nan() && read.finite);
+    assert_eq!(
+        weights(&gpu_vars)?,
+        before,
+        "a NaN norm updated the weights"
+    );
+    gpu.set_lr(1e39);
+    let grads = sizes
+        .iter()
+        .map(|&n| Ok(values(n, 4.0)?.to_device(&cuda)?))
+        .collect::<Result<Vec<_>>>()?;
+    let read = gpu
+        .clip_and_step(grads, 0.0)?
+        .read(&[Tensor::new(0f32, &cuda)?])?;
+    assert!(
+        read.norm.is_finite() && !read.finite,
+        "the overflow was not flagged"
     );
     Ok(())
 }

@@ -136,3 +136,39 @@ fn the_loss_falls_under_adamw_in_f32_and_bf16() -> Result<()> {
     }
     Ok(())
 }
+
+/// The loss and the held-out score of ids from the host are those of the same ids as a tensor,
+/// bit for bit; ids outside the vocabulary or rows of unequal length are errors naming them.
+#[test]
+fn host_ids_give_the_loss_and_score_of_a_tensor_of_them() -> Result<()> {
+    let model = TrainableModel::init(&tiny_config()?, 7, DType::F32, &Device::Cpu)?.model()?;
+    let ids = [1u32, 5, 9, 2, 7, 3, 30, 11, 4, 0, 39, 8];
+    let tensor = Tensor::new(&ids, &Device::Cpu)?.reshape((2, 6))?;
+    let (ours, theirs) = (model.loss_from_host(&ids, 2)?, model.loss(&tensor)?);
+    assert_eq!(
+        ours.to_scalar::<f32>()?.to_bits(),
+        theirs.to_scalar::<f32>()?.to_bits()
+    );
+    assert_eq!(
+        model.nll_sum_from_host(&ids, 2)?.to_bits(),
+        model.nll_sum(&tensor)?.to_bits()
+    );
+    let mut bad = ids;
+    bad[7] = 40;
+    let err = model
+        .loss_from_host(&bad, 2)
+        .expect_err("id 40")
+        .to_string();
+    assert!(err.contains("40") && err.contains("[1, 1]"), "{err}");
+    let err = model
+        .nll_sum_from_host(&ids, 5)
+        .expect_err("12 ids in 5 rows")
+        .to_string();
+    assert!(err.contains("12 ids do not make 5 rows"), "{err}");
+    assert!(model.loss_from_host(&ids, 0).is_err());
+    assert!(
+        model.loss_from_host(&ids[..2], 2).is_err(),
+        "rows of one token"
+    );
+    Ok(())
+}

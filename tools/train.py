@@ -600,6 +600,10 @@ def parse_args():
     ap.add_argument("--max-shard-mib", type=float, default=15.0)
     ap.add_argument("--sample-tokens", type=int, default=100)
     ap.add_argument("--eval-windows", type=int, default=0, help="testing only: use the first N held-out windows")
+    ap.add_argument("--vocab-size", type=int, default=0,
+                    help="model vocabulary (0: the tokenizer's; larger pads the embedding, e.g. for a 130m-sized model)")
+    ap.add_argument("--max-weight-mb", type=float, default=60.0,
+                    help="refuse a model whose f32 weights exceed this many MB (0: no limit)")
     args = ap.parse_args()
     if args.smoke:
         args.hidden, args.layers, args.state, args.head_dim = 64, 2, 16, 16
@@ -639,6 +643,10 @@ def main():
 
     tok = Tokenizer.from_file(args.tokenizer)
     vocab = tok.get_vocab_size()
+    if args.vocab_size:
+        if args.vocab_size < vocab:
+            raise SystemExit(f"--vocab-size {args.vocab_size} is below the tokenizer's {vocab} tokens")
+        vocab = args.vocab_size
     assert int(train_np.max()) < vocab and int(held_np.max()) < vocab
     train_data = torch.from_numpy(train_np.astype(np.int32)).to(device)
     n_train = train_data.numel()
@@ -660,8 +668,8 @@ def main():
     log(f"model: hidden {cfg.hidden_size} x {cfg.num_hidden_layers} layers, heads {cfg.num_heads}x{cfg.head_dim}, "
         f"state {cfg.state_size}, groups {cfg.n_groups}, vocab {vocab}: {n_params:,} params "
         f"({n_embed:,} tied embedding) = {n_params * 4 / 1e6:.1f} MB f32")
-    if not args.smoke and n_params * 4 > 60e6:
-        raise SystemExit("model exceeds the 60 MB weight budget")
+    if not args.smoke and args.max_weight_mb and n_params * 4 > args.max_weight_mb * 1e6:
+        raise SystemExit(f"model exceeds the {args.max_weight_mb:g} MB weight budget (--max-weight-mb)")
 
     if args.smoke:
         check_ssd(device)

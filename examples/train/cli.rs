@@ -37,10 +37,24 @@ pub struct Args {
     /// Continue the run whose checkpoint is in this directory (weights, optimizer, step, RNG, log)
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Optimizer steps of the whole run (a resumed run may change it: the schedule follows)
-    /// [default: 1000]
+    /// Optimizer steps of the whole run (a resumed run may change it: the schedule follows);
+    /// with --minutes, the most steps the plan may take [default: 1000; with --minutes, no cap]
     #[arg(long, allow_negative_numbers = true)]
     pub steps: Option<usize>,
+    /// Wall-clock budget of this invocation in minutes, from its start to the last file written:
+    /// training stops after the step that crosses minutes·60 − --reserve-s seconds, then the
+    /// final evaluation and checkpoint run; the schedule follows the step count planned from the
+    /// measured step time
+    #[arg(long, allow_negative_numbers = true)]
+    pub minutes: Option<f64>,
+    /// Seconds of the --minutes budget kept for the final evaluation and checkpoint
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        default_value_t = 30.0,
+        requires = "minutes"
+    )]
+    pub reserve_s: f64,
     /// Sequences per forward pass [default: 8]
     #[arg(long, allow_negative_numbers = true)]
     pub batch_size: Option<usize>,
@@ -54,10 +68,19 @@ pub struct Args {
     /// Peak learning rate [default: 1e-3 with --config, 1e-4 fine-tuning --weights]
     #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
-    /// Steps of linear warm-up [default: min(100, steps / 10)]
+    /// Steps of linear warm-up (with --minutes, at most a tenth of the planned steps)
+    /// [default: min(100, steps / 10)]
     #[arg(long, allow_negative_numbers = true)]
     pub warmup: Option<usize>,
-    /// The cosine decays to this fraction of --lr at the last step [default: 0.1]
+    /// After the warm-up: cosine (decay over the rest of the run) or wsd (constant, then a linear
+    /// decay over the last --cooldown-frac of the steps, as tools/train.py) [default: cosine]
+    #[arg(long)]
+    pub schedule: Option<Schedule>,
+    /// With --schedule wsd: the last fraction of the steps over which the rate decays
+    /// [default: 0.3]
+    #[arg(long, allow_negative_numbers = true)]
+    pub cooldown_frac: Option<f64>,
+    /// The decay ends at this fraction of --lr at the last step [default: 0.1]
     #[arg(long, allow_negative_numbers = true)]
     pub final_lr_frac: Option<f64>,
     /// Clip the gradients' global norm to this; 0 turns clipping off [default: 1.0]
@@ -94,6 +117,34 @@ pub struct Args {
     pub stop_after: Option<usize>,
 }
 
+/// The learning rate after the warm-up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    /// A cosine from --lr down to --final-lr-frac · --lr at the last step.
+    #[default]
+    Cosine,
+    /// Warm-up, stable, decay: --lr until the last --cooldown-frac of the steps, then a straight
+    /// line down to --final-lr-frac · --lr at the last step.
+    Wsd,
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(match self {
+            Schedule::Cosine => "cosine",
+            Schedule::Wsd => "wsd",
+        })
+    }
+}
+
+/// The decay fraction of a WSD schedule unless given (`tools/train.py`'s).
+pub const COOLDOWN_FRAC: f64 = 0.3;
+
+fn default_cooldown_frac() -> f64 {
+    COOLDOWN_FRAC
+}
+
 /// Which part of the text is held out for the perplexity.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -122,6 +173,11 @@ pub struct Settings {
     pub grad_accum: usize,
     pub lr: f64,
     pub warmup: usize,
+    /// Checkpoints written before schedules could be chosen are cosine runs.
+    #[serde(default)]
+    pub schedule: Schedule,
+    #[serde(default = "default_cooldown_frac")]
+    pub cooldown_frac: f64,
     pub final_lr_frac: f64,
     pub clip: f64,
     pub weight_decay: f64,
@@ -175,6 +231,8 @@ pub fn settings(args: &Args, saved: Option<&Settings>) -> Result<Settings> {
             grad_accum: keep("--grad-accum", args.grad_accum, old.grad_accum)?,
             lr: keep("--lr", args.lr, old.lr)?,
             warmup: keep("--warmup", args.warmup, old.warmup)?,
+            schedule: keep("--schedule", args.schedule, old.schedule)?,
+            cooldown_frac: keep("--cooldown-frac", args.cooldown_frac, old.cooldown_frac)?,
             final_lr_frac: keep("--final-lr-frac", args.final_lr_frac, old.final_lr_frac)?,
             clip: keep("--clip", args.clip, old.clip)?,
             weight_decay: keep("--weight-decay", args.weight_decay, old.weight_decay)?,
@@ -190,7 +248,11 @@ pub fn settings(args: &Args, saved: Option<&Settings>) -> Result<Settings> {
             save_every: args.save_every.unwrap_or(old.save_every),
         },
         None => {
-            let steps = args.steps.unwrap_or(1000);
+            // A timed run plans its steps; --steps only caps the plan.
+            let steps = args.steps.unwrap_or(match args.minutes {
+                Some(_) => usize::MAX,
+                None => 1000,
+            });
             Settings {
                 steps,
                 batch_size: args.batch_size.unwrap_or(8),
@@ -201,6 +263,8 @@ pub fn settings(args: &Args, saved: Option<&Settings>) -> Result<Settings> {
                     .lr
                     .unwrap_or(if args.weights.is_some() { 1e-4 } else { 1e-3 }),
                 warmup: args.warmup.unwrap_or((steps / 10).min(100)),
+                schedule: args.schedule.unwrap_or_default(),
+                cooldown_frac: args.cooldown_frac.unwrap_or(COOLDOWN_FRAC),
                 final_lr_frac: args.final_lr_frac.unwrap_or(0.1),
                 clip: args.clip.unwrap_or(1.0),
                 weight_decay: args.weight_decay.unwrap_or(0.1),
@@ -212,12 +276,12 @@ pub fn settings(args: &Args, saved: Option<&Settings>) -> Result<Settings> {
             }
         }
     };
-    check(&s, args.stop_after)?;
+    check(&s, args)?;
     Ok(s)
 }
 
 /// Every number in range: an error naming the flag and its value otherwise.
-fn check(s: &Settings, stop_after: Option<usize>) -> Result<()> {
+fn check(s: &Settings, args: &Args) -> Result<()> {
     let positive = |flag: &str, v: usize| -> Result<()> {
         if v == 0 {
             bail!("{flag} must be at least 1, got 0")
@@ -246,6 +310,33 @@ fn check(s: &Settings, stop_after: Option<usize>) -> Result<()> {
     if !(0.0..=1.0).contains(&s.final_lr_frac) {
         bail!("--final-lr-frac must be in [0, 1], got {}", s.final_lr_frac)
     }
+    if !(0.0..=1.0).contains(&s.cooldown_frac) {
+        bail!("--cooldown-frac must be in [0, 1], got {}", s.cooldown_frac)
+    }
+    if args.cooldown_frac.is_some() && s.schedule != Schedule::Wsd {
+        bail!(
+            "--cooldown-frac applies to --schedule wsd only (this run's schedule is {})",
+            s.schedule
+        )
+    }
+    if let Some(m) = args.minutes {
+        if !(m.is_finite() && m > 0.0) {
+            bail!("--minutes must be a finite number > 0, got {m}")
+        }
+        if !(args.reserve_s.is_finite() && args.reserve_s >= 0.0) {
+            bail!(
+                "--reserve-s must be a finite number >= 0, got {}",
+                args.reserve_s
+            )
+        }
+        if m * 60.0 <= args.reserve_s {
+            bail!(
+                "--minutes {m} leaves no training time: its {} s are within --reserve-s {}",
+                m * 60.0,
+                args.reserve_s
+            )
+        }
+    }
     if !(s.clip.is_finite() && s.clip >= 0.0) {
         bail!(
             "--clip must be a finite number >= 0 (0 turns clipping off), got {}",
@@ -266,7 +357,7 @@ fn check(s: &Settings, stop_after: Option<usize>) -> Result<()> {
         _ => {}
     }
     s.dtype()?;
-    if stop_after == Some(0) {
+    if args.stop_after == Some(0) {
         bail!("--stop-after must be at least 1, got 0")
     }
     Ok(())

@@ -4,22 +4,27 @@
 //!
 //! A step whose loss, gradient norm or updated weights are not finite stops the run with an error
 //! naming the step, before anything of that step is saved: `--out` keeps its last checkpoint.
+//!
+//! On a GPU a step waits for the device once, at its end: the micro-batches' ids go up from the
+//! host (checked there), the losses stay on the device, the optimizer reads nothing back, and
+//! the losses, the gradient norm and the weights' finiteness come back in one copy.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{Tensor, Var};
+use candle_core::{Device, Tensor};
 use candle_nn::{ParamsAdamW, VarBuilder};
 use indicatif::{ProgressBar, ProgressStyle};
 use mamba2::model::{byte_tokenizer, Config, Model, Tokenizer, TrainableModel, BYTE_VOCAB};
 
-use crate::adamw::{clip_global_norm, lr_at, AdamW, BETA1, BETA2, EPS};
+use crate::adamw::{AdamW, BETA1, BETA2, EPS};
 use crate::checkpoint::{self, Checkpoint, DataRecord, TrainerState};
 use crate::cli::{self, Args, Settings};
 use crate::curve::Row;
 use crate::data::{self, Sampler};
+use crate::schedule::{lr_at, Budget};
 
 /// How an invocation ended.
 #[derive(Debug)]
@@ -33,6 +38,9 @@ pub struct Outcome {
     pub heldout_loss: Option<f64>,
     /// Training tokens per second of this invocation's steps (evaluations and saves excluded).
     pub tokens_per_s: f64,
+    /// On CUDA: the most bytes in use at once in the device's memory pool (candle's
+    /// allocations), and the most the pool held.
+    pub peak_gpu_bytes: Option<(u64, u64)>,
 }
 
 /// The model, its tokenizer (the bytes of its tokenizer.json) and what a resumed run continues.
@@ -128,7 +136,9 @@ fn start(
 
 /// The mean held-out loss: non-overlapping windows of `window` tokens (the last one kept with 2
 /// tokens or more), each from an empty state, `batch` at a time — the `perplexity` example's
-/// definition. The model is built on detached weights, so no gradient graph is recorded.
+/// definition. The model is built on detached weights in the run's compute dtype (bf16 when the
+/// run computes in bf16), so no gradient graph is recorded; each batch's ids go up from the host
+/// and its sum is the one value read back.
 fn evaluate(
     trainable: &TrainableModel,
     heldout: &[u32],
@@ -152,22 +162,11 @@ fn evaluate(
             .take(batch)
             .take_while(|w| w.len() == first.len())
             .count();
-        let ids = Tensor::from_vec(rest[..n].concat(), (n, first.len()), trainable.device())?;
-        nll += model.nll_sum(&ids)?;
+        nll += model.nll_sum_from_host(&rest[..n].concat(), n)?;
         count += n * (first.len() - 1);
         rest = &rest[n..];
     }
     Ok(nll / count.max(1) as f64)
-}
-
-/// Whether every weight is finite: x·0 is 0 for a finite x and NaN for NaN or ±inf, so the sum is
-/// 0 exactly when all are.
-fn finite(vars: &[(String, Var)]) -> Result<bool> {
-    let sums = vars
-        .iter()
-        .map(|(_, v)| (v.as_tensor() * 0.0)?.sum_all())
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f32>()? == 0.0)
 }
 
 /// The error that stops a run at `step`, saying what `out` holds.
@@ -184,6 +183,7 @@ fn stopped(step: usize, why: String, out: &Path, saved: Option<usize>) -> anyhow
 
 /// Runs the training that `args` describe (see the module doc).
 pub fn train(args: &Args) -> Result<Outcome> {
+    let started = Instant::now();
     let saved = args
         .resume
         .as_deref()
@@ -191,9 +191,8 @@ pub fn train(args: &Args) -> Result<Outcome> {
         .transpose()?;
     let mut settings = cli::settings(args, saved.as_ref().map(|s| &s.settings))?;
     let first = saved.as_ref().map_or(0, |s| s.step);
-    let end = args
-        .stop_after
-        .map_or(settings.steps, |s| s.min(settings.steps));
+    let last_step = |s: &Settings| args.stop_after.map_or(s.steps, |a| a.min(s.steps));
+    let end = last_step(&settings);
     if end <= first {
         bail!("the run is already at step {first}: nothing to do up to step {end} (raise --steps)")
     }
@@ -265,15 +264,32 @@ pub fn train(args: &Args) -> Result<Outcome> {
             .load_state(moments, first)
             .with_context(|| format!("resuming {}", out.display()))?;
     }
+    let mut budget = args
+        .minutes
+        .map(|minutes| Budget::new(started, minutes, args.reserve_s, settings.steps, first == 0));
     let mut sampler = Sampler::new(saved.as_ref().map_or(settings.seed, |s| s.sampler));
     let mut tokens = saved.as_ref().map_or(0, |s| s.tokens);
     let mut rows = start.rows;
     let (batch, len, accum) = (settings.batch_size, settings.seq_len, settings.grad_accum);
     let millions = trainable.parameter_count() as f64 / 1e6;
+    let length = match args.minutes {
+        Some(m) => format!(
+            "from step {} for {m} minutes ({} s kept for the end), {} schedule",
+            first + 1,
+            args.reserve_s,
+            settings.schedule
+        ),
+        None => format!(
+            "steps {}..{end} of {}, {} schedule",
+            first + 1,
+            settings.steps,
+            settings.schedule
+        ),
+    };
     eprintln!(
         "model: {millions:.2}M parameters ({} layers × {}, vocabulary {}), {} on {:?}; data: {} \
-         training / {} held-out tokens ({}); {batch} × {accum} × {len} = {} tokens per step; steps \
-         {}..{end} of {}",
+         training / {} held-out tokens ({}); {batch} × {accum} × {len} = {} tokens per step; \
+         {length}",
         config.n_layer,
         config.d_model,
         config.vocab_size,
@@ -283,14 +299,17 @@ pub fn train(args: &Args) -> Result<Outcome> {
         corpus.heldout.len(),
         corpus.split,
         settings.tokens_per_step(),
-        first + 1,
-        settings.steps
     );
 
+    // A timed run shows the step count alone until it has a plan.
     let bar = ProgressBar::new(end as u64);
-    bar.set_style(ProgressStyle::with_template(
+    let planned_style = ProgressStyle::with_template(
         "{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
-    )?);
+    )?;
+    bar.set_style(match budget {
+        Some(_) => ProgressStyle::with_template("{pos} steps [{elapsed_precise}] {msg}")?,
+        None => planned_style.clone(),
+    });
     bar.set_position(first as u64);
     bar.reset_eta();
     let eval = |step: usize, row: &mut Row| -> Result<Option<f64>> {
@@ -315,37 +334,25 @@ pub fn train(args: &Args) -> Result<Outcome> {
     }
 
     let mut last_saved = saved.as_ref().map(|s| s.step);
-    let (mut train_loss, mut step_secs, mut step_tokens) = (f64::NAN, 0f64, 0u64);
-    for step in first..end {
+    let (mut step_secs, mut step_tokens) = (0f64, 0u64);
+    let mut step = first;
+    let (done, train_loss) = loop {
         let done = step + 1;
         let lr = lr_at(&settings, step);
         optimizer.set_lr(lr);
         let t0 = Instant::now();
         let model = trainable.model()?;
         let mut sums: Vec<Option<Tensor>> = vec![None; vars.len()];
-        let mut loss_sum = 0f64;
-        for micro in 0..accum {
-            let ids = Tensor::from_vec(
-                sampler.batch(&corpus.train, batch, len),
-                (batch, len),
-                &device,
-            )?;
-            let loss = model.loss(&ids)?;
-            let value = loss.to_scalar::<f32>()?;
-            if !value.is_finite() {
-                let why = format!(
-                    "the training loss is {value} (micro-batch {} of {accum}, lr {lr:.3e})",
-                    micro + 1
-                );
-                return Err(stopped(done, why, &out, last_saved));
-            }
-            loss_sum += f64::from(value);
+        let mut losses = Vec::with_capacity(accum);
+        for _ in 0..accum {
+            let loss = model.loss_from_host(&sampler.batch(&corpus.train, batch, len), batch)?;
             // The step's gradient is that of the mean loss over its micro-batches.
             let mut grads = if accum == 1 {
                 loss.backward()?
             } else {
-                (loss / accum as f64)?.backward()?
+                (&loss / accum as f64)?.backward()?
             };
+            losses.push(loss);
             for (sum, (_, var)) in sums.iter_mut().zip(&vars) {
                 if let Some(g) = grads.remove(var.as_tensor()) {
                     *sum = Some(match sum.take() {
@@ -367,39 +374,55 @@ pub fn train(args: &Args) -> Result<Outcome> {
                 missing.len()
             )
         }
-        let (norm, grads) = clip_global_norm(sums.into_iter().flatten().collect(), settings.clip)?;
-        if !norm.is_finite() {
-            return Err(stopped(
-                done,
-                format!("the gradient norm is {norm} (lr {lr:.3e})"),
-                &out,
-                last_saved,
-            ));
+        let stats = optimizer.clip_and_step(sums.into_iter().flatten().collect(), settings.clip)?;
+        let read = stats.read(&losses)?;
+        if let Some((micro, value)) = read.losses.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            let why = format!(
+                "the training loss is {value} (micro-batch {} of {accum}, lr {lr:.3e})",
+                micro + 1
+            );
+            return Err(stopped(done, why, &out, last_saved));
         }
-        optimizer.step(&grads)?;
-        if !finite(&vars)? {
+        if !read.norm.is_finite() {
+            let why = format!("the gradient norm is {} (lr {lr:.3e})", read.norm);
+            return Err(stopped(done, why, &out, last_saved));
+        }
+        if !read.finite {
             let why = format!("the update (lr {lr:.3e}) made weights non-finite");
             return Err(stopped(done, why, &out, last_saved));
         }
-        device.synchronize()?;
-        let secs = t0.elapsed().as_secs_f64();
+        let now = Instant::now();
+        let secs = now.duration_since(t0).as_secs_f64();
         (step_secs, step_tokens) = (
             step_secs + secs,
             step_tokens + settings.tokens_per_step() as u64,
         );
         tokens += settings.tokens_per_step() as u64;
-        train_loss = loss_sum / accum as f64;
+        let train_loss = read.losses.iter().map(|&v| f64::from(v)).sum::<f64>() / accum as f64;
         let tps = settings.tokens_per_step() as f64 / secs;
+        let mut last = done >= last_step(&settings);
+        if let Some(budget) = budget.as_mut() {
+            if let Some(plan) = budget.after_step(&mut settings, done, now) {
+                bar.suspend(|| eprintln!("step {done}: {plan}"));
+                bar.set_style(planned_style.clone());
+            }
+            bar.set_length(last_step(&settings) as u64);
+            last = done >= last_step(&settings);
+            if budget.expired(now) {
+                // The time is up: the run ends here.
+                (settings.steps, last) = (done, true);
+            }
+        }
         let mut row = Row {
             step: done,
             tokens,
             lr: Some(lr),
             train_loss: Some(train_loss),
-            grad_norm: Some(norm),
+            grad_norm: Some(read.norm),
             tokens_per_s: Some(tps),
             ..Row::default()
         };
-        if done == end || (settings.eval_every > 0 && done % settings.eval_every == 0) {
+        if last || (settings.eval_every > 0 && done % settings.eval_every == 0) {
             heldout = eval(done, &mut row)?.or(heldout);
         }
         rows.push(row);
@@ -408,7 +431,7 @@ pub fn train(args: &Args) -> Result<Outcome> {
             "loss {train_loss:.4}, lr {lr:.2e}, {tps:.0} tok/s{ppl}"
         ));
         bar.set_position(done as u64);
-        if done == end || (settings.save_every > 0 && done % settings.save_every == 0) {
+        if last || (settings.save_every > 0 && done % settings.save_every == 0) {
             let state = TrainerState::new(
                 done,
                 tokens,
@@ -431,20 +454,74 @@ pub fn train(args: &Args) -> Result<Outcome> {
             })?;
             last_saved = Some(done);
         }
-    }
+        if last {
+            break (done, train_loss);
+        }
+        step = done;
+    };
     bar.finish();
-    if end < settings.steps {
+    if done < settings.steps {
+        let of = match settings.steps {
+            usize::MAX => String::new(),
+            n => format!(" of {n}"),
+        };
         eprintln!(
-            "stopped after step {end} of {} (--stop-after): continue with --resume {}",
-            settings.steps,
+            "stopped after step {done}{of} (--stop-after): continue with --resume {}",
             out.display()
+        );
+    } else if budget.is_some() {
+        eprintln!(
+            "the --minutes budget ended the run at step {done}, {:.0} s after the start",
+            started.elapsed().as_secs_f64()
         );
     }
     Ok(Outcome {
         out,
-        step: end,
+        step: done,
         train_loss,
         heldout_loss: heldout,
         tokens_per_s: step_tokens as f64 / step_secs.max(1e-9),
+        peak_gpu_bytes: peak_gpu_bytes(&device)?,
     })
+}
+
+/// The high-water marks of `device`'s default memory pool, which candle's stream-ordered
+/// allocations come from: bytes in use, and bytes the pool held. `None` off CUDA or without
+/// memory pools.
+#[cfg(feature = "cuda")]
+fn peak_gpu_bytes(device: &Device) -> Result<Option<(u64, u64)>> {
+    use candle_core::cuda_backend::cudarc::driver::sys::{self, CUmemPool_attribute};
+    use candle_core::cuda_backend::WrapErr;
+    let Device::Cuda(dev) = device else {
+        return Ok(None);
+    };
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    if !ctx.has_async_alloc() {
+        return Ok(None);
+    }
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: `pool` receives the device's default pool handle, which lives as long as the
+    // device; each attribute is a u64, as the driver API defines these two.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .w()?;
+        let high = |attribute| -> Result<u64> {
+            let mut value = 0u64;
+            sys::cuMemPoolGetAttribute(pool, attribute, (&mut value as *mut u64).cast())
+                .result()
+                .w()?;
+            Ok(value)
+        };
+        Ok(Some((
+            high(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            high(CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+        )))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn peak_gpu_bytes(_: &Device) -> Result<Option<(u64, u64)>> {
+    Ok(None)
 }

@@ -97,6 +97,16 @@ impl Model {
     /// Builds the model of `config` from `vb` (whose dtype and device the model takes); the device
     /// is synchronised before the model is returned (see the thread rules on [`Model`]).
     pub fn new(config: &Config, vb: VarBuilder) -> Result<Self> {
+        let model = Self::new_unsynchronized(config, vb)?;
+        // Weights are uploaded and A = −exp(A_log) computed on this thread's stream: waiting for
+        // them lets any other thread use the model at once.
+        model.device.synchronize()?;
+        Ok(model)
+    }
+
+    /// [`Model::new`] without the wait for the device, for a model that the thread which built it
+    /// uses (its work is ordered after the building on that thread's stream).
+    pub(crate) fn new_unsynchronized(config: &Config, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
         match vb.dtype() {
             DType::F32 | DType::F16 | DType::BF16 => {}
@@ -133,7 +143,7 @@ impl Model {
                 })
             })
             .collect::<Result<_>>()?;
-        let model = Self {
+        Ok(Self {
             config: config.clone(),
             embedding: Embedding::new(embedding, d),
             blocks,
@@ -142,11 +152,7 @@ impl Model {
             dtype: vb.dtype(),
             device: vb.device().clone(),
             piece_len: DEFAULT_PREFILL_PIECE_LEN,
-        };
-        // Weights are uploaded and A = −exp(A_log) computed on this thread's stream: waiting for
-        // them lets any other thread use the model at once.
-        model.device.synchronize()?;
-        Ok(model)
+        })
     }
 
     /// Loads `dir/config.json` and the checkpoint of `dir` (see [`Checkpoint`]) in `dtype` on
@@ -223,9 +229,13 @@ impl Model {
     /// `ids` are u8, u32 or i64 on the model's device, each in `0..vocab_size` (checked first, on
     /// the host; see [`Model::step`] for what that costs on CUDA).
     pub fn forward(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
-        let ids = self.checked_ids(ids)?;
+        self.forward_checked(&self.checked_ids(ids)?, cache)
+    }
+
+    /// [`Model::forward`] of ids already known to be u32 or i64 and inside the vocabulary.
+    fn forward_checked(&self, ids: &Tensor, cache: &mut Cache) -> Result<Tensor> {
         let mut logits = Vec::new();
-        self.pieces(&ids, cache, |h| {
+        self.pieces(ids, cache, |h| {
             logits.push(self.logits(h)?);
             Ok(())
         })?;
@@ -372,12 +382,16 @@ impl Model {
     /// cache: the training forward. With weights that are `Var`s (or depend on them, as in a
     /// [`crate::TrainableModel`]'s view) every op records its gradient.
     pub fn forward_train(&self, ids: &Tensor) -> Result<Tensor> {
-        let ids = self.checked_ids(ids)?;
+        self.forward_train_checked(&self.checked_ids(ids)?)
+    }
+
+    /// [`Model::forward_train`] of ids already known to be u32 or i64 and inside the vocabulary.
+    fn forward_train_checked(&self, ids: &Tensor) -> Result<Tensor> {
         match ids.dims() {
             &[_, l] if l > 0 => {}
             d => bail!("ids must have shape [B, L] with L >= 1, got {d:?}"),
         }
-        let mut h = self.embedding.forward(&ids)?;
+        let mut h = self.embedding.forward(ids)?;
         let mut residual = None;
         for block in &self.blocks {
             let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
@@ -390,16 +404,41 @@ impl Model {
 
     /// The mean next-token cross-entropy of `ids [B,L]` (L ≥ 2): the logits at positions
     /// 0..L−1 against the ids at 1..L, in f32, differentiable as [`Model::forward_train`].
+    ///
+    /// The ids are checked on the host first, as by [`Model::forward`]; [`Model::loss_from_host`]
+    /// takes them from the host, where the check waits for nothing.
     pub fn loss(&self, ids: &Tensor) -> Result<Tensor> {
+        self.loss_checked(&self.checked_ids(ids)?)
+    }
+
+    /// [`Model::loss`] of `ids` held on the host, `batch` rows of `ids.len() / batch` tokens:
+    /// checked there and copied to the model's device, so that the check reads nothing back from
+    /// the device (on CUDA such a read waits for all the work queued before it).
+    pub fn loss_from_host(&self, ids: &[u32], batch: usize) -> Result<Tensor> {
+        self.loss_checked(&self.host_ids(ids, batch)?)
+    }
+
+    /// `ids` from the host as `batch` rows of equal length on the model's device, after checking
+    /// every id against the vocabulary there.
+    fn host_ids(&self, ids: &[u32], batch: usize) -> Result<Tensor> {
+        if batch == 0 || ids.len() % batch != 0 {
+            bail!("{} ids do not make {batch} rows of equal length", ids.len())
+        }
+        let dims = [batch, ids.len() / batch];
+        let vocab = self.config.vocab_size;
+        check_vocab(ids.iter().map(|&t| i64::from(t)), &dims, "ids", vocab)?;
+        Tensor::from_slice(ids, (dims[0], dims[1]), &self.device)
+    }
+
+    /// [`Model::loss`] of ids already known to be u32 or i64 and inside the vocabulary.
+    fn loss_checked(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, l) = match ids.dims() {
             &[b, l] if l >= 2 => (b, l),
             d => bail!("the loss needs ids of shape [B, L] with L >= 2, got {d:?}"),
         };
-        let logits = self.forward_train(&ids.narrow(1, 0, l - 1)?)?;
+        let logits = self.forward_train_checked(&ids.narrow(1, 0, l - 1)?)?;
         let v = logits.dim(2)?;
-        let targets = self
-            .checked_ids(&ids.narrow(1, 1, l - 1)?)?
-            .to_dtype(DType::U32)?;
+        let targets = ids.narrow(1, 1, l - 1)?.to_dtype(DType::U32)?;
         cross_entropy(&logits.reshape((b * (l - 1), v))?, &targets.flatten_all()?)
     }
 
@@ -420,15 +459,26 @@ impl Model {
     /// # Ok::<(), candle_core::Error>(())
     /// ```
     pub fn nll_sum(&self, ids: &Tensor) -> Result<f64> {
+        self.nll_sum_checked(&self.checked_ids(ids)?)
+    }
+
+    /// [`Model::nll_sum`] of `ids` held on the host, `batch` rows of equal length: checked there,
+    /// so that the sum is the one value read back from the device.
+    pub fn nll_sum_from_host(&self, ids: &[u32], batch: usize) -> Result<f64> {
+        self.nll_sum_checked(&self.host_ids(ids, batch)?)
+    }
+
+    /// [`Model::nll_sum`] of ids already known to be u32 or i64 and inside the vocabulary.
+    fn nll_sum_checked(&self, ids: &Tensor) -> Result<f64> {
         let (batch, len) = match ids.dims() {
             &[b, l] if l >= 2 => (b, l),
             d => bail!("nll_sum needs ids of shape [B, L] with L >= 2, got {d:?}"),
         };
         let mut cache = self.new_cache(batch)?;
-        let logits = self.forward(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
+        let logits = self.forward_checked(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
         let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        let targets = self
-            .checked_ids(&ids.narrow(1, 1, len - 1)?)?
+        let targets = ids
+            .narrow(1, 1, len - 1)?
             .to_dtype(DType::U32)?
             .unsqueeze(2)?;
         let picked = logp.gather(&targets.contiguous()?, 2)?;

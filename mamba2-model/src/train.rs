@@ -153,11 +153,13 @@ impl TrainableModel {
     }
 
     /// A model on the current weights, computing in the compute dtype; run it for each step (it
-    /// reads the weights as they are then).
+    /// reads the weights as they are then). Unlike [`Model::new`] it does not wait for the device
+    /// (a training step builds one): use it on the thread that built it, or synchronise the
+    /// device before another thread does (see the thread rules on [`Model`]).
     pub fn model(&self) -> Result<Model> {
         let master = Master(self.varmap.clone());
         let vb = VarBuilder::from_backend(Box::new(master), self.dtype, self.device.clone());
-        Model::new(&self.config, vb)
+        Model::new_unsynchronized(&self.config, vb)
     }
 
     /// Writes the model to `dir` in the HF layout — `config.json`, `model.safetensors` (or shards
