@@ -10,7 +10,9 @@
 //! passes over the `[R,V]` logits, the largest tensor of a training step; the op makes one in
 //! its forward (keeping lse_r) and one in its backward, parallel over rows. Logits f32, f16 or
 //! bf16 are computed in f32 and the loss is f32; f64 logits in f64. On CUDA the loss is
-//! candle's ops (no CUDA kernel yet).
+//! candle's ops (no CUDA kernel yet), and the targets are checked there rather than read back
+//! to the host (which would wait for the forward queued before): a target out of range makes
+//! the loss NaN instead of an error.
 
 mod cpu;
 
@@ -94,6 +96,7 @@ impl CustomOp1 for CrossEntropy {
 
 /// The mean cross-entropy of `logits [R, V]` (f32, f16, bf16 or f64) against `targets [R]` (u8,
 /// u32 or i64 ids below V): a scalar, f32 (f64 for f64 logits), differentiable in the logits.
+/// A target outside `0..V` is an error on the CPU and makes the loss NaN on CUDA.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -117,19 +120,22 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             logits.dims()
         )
     }
-    let ids: Vec<i64> = match targets.dtype() {
-        DType::U8 | DType::U32 | DType::I64 => targets.to_dtype(DType::I64)?.to_vec1::<i64>()?,
-        other => bail!("{OP}: targets must be u8, u32 or i64 ids, got {other:?}"),
-    };
+    if !matches!(targets.dtype(), DType::U8 | DType::U32 | DType::I64) {
+        bail!(
+            "{OP}: targets must be u8, u32 or i64 ids, got {:?}",
+            targets.dtype()
+        )
+    }
+    if !logits.device().is_cpu() {
+        return composed(logits, targets, vocab);
+    }
+    let ids = targets.to_dtype(DType::I64)?.to_vec1::<i64>()?;
     let mut held = Vec::with_capacity(rows);
     for (r, &id) in ids.iter().enumerate() {
         match u32::try_from(id) {
             Ok(t) if (t as usize) < vocab => held.push(t),
             _ => bail!("{OP}: target {id} at row {r} is not below the vocabulary size {vocab}"),
         }
-    }
-    if !logits.device().is_cpu() {
-        return composed(logits, targets);
     }
     let op = CrossEntropy {
         targets: held,
@@ -144,7 +150,9 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 /// The loss from candle's ops, for devices without the op: `mean(lse − picked)` in f32 (f64).
-fn composed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+/// The ids are checked where they are, without reading them back (which would wait for the
+/// work queued before): a target outside `0..vocab` makes the loss NaN.
+fn composed(logits: &Tensor, targets: &Tensor, vocab: usize) -> Result<Tensor> {
     let compute = if wide(logits.dtype()) {
         DType::F64
     } else {
@@ -154,7 +162,20 @@ fn composed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?;
     let shifted = x.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    let ids = targets.to_dtype(DType::U32)?.unsqueeze(1)?;
+    let wide_ids = targets.to_dtype(DType::I64)?;
+    let valid = wide_ids.ge(0i64)?.mul(&wide_ids.lt(vocab as i64)?)?;
+    let ids = wide_ids
+        .clamp(0i64, vocab as i64 - 1)?
+        .to_dtype(DType::U32)?
+        .unsqueeze(1)?;
     let picked = shifted.gather(&ids, 1)?;
-    (lse - picked)?.mean_all()
+    let loss = (lse - picked)?.mean_all()?;
+    let zero = Tensor::zeros((), compute, logits.device())?;
+    let bad = valid
+        .where_cond(
+            &zero.broadcast_as(valid.shape())?,
+            &zero.affine(0.0, f64::NAN)?.broadcast_as(valid.shape())?,
+        )?
+        .sum_all()?;
+    loss + bad
 }
