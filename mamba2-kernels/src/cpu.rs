@@ -342,12 +342,12 @@ pub(crate) fn gemm<T: Real>(
     }
 }
 
-/// The values of a tensor read to the host in the compute type: the inputs of a backward, which
-/// runs on the CPU only (a tensor elsewhere is an error naming the op).
+/// The values of a tensor read to the host in the compute type: the inputs of a CPU backward (a
+/// tensor on a device with no backward of the op is an error naming the op).
 pub(crate) fn host<T: Real>(op: &str, name: &str, t: &Tensor) -> Result<Vec<T>> {
     if !t.device().is_cpu() {
         bail!(
-            "{op}: no CUDA backward yet; compute gradients on the CPU ({name} is on {:?})",
+            "{op}: no backward on {:?} ({name}); gradients run on the CPU or CUDA",
             t.device().location()
         )
     }

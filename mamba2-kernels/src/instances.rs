@@ -139,6 +139,36 @@ impl RowKind {
     }
 }
 
+/// How the conv backward holds a channel's taps and its windows of inputs and gradients: in
+/// registers for widths up to 4 (`K4`) or 8 (`K8`), or read from memory (`Any`, any width).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConvTaps {
+    K4,
+    K8,
+    Any,
+}
+
+impl ConvTaps {
+    pub const ALL: [ConvTaps; 3] = [Self::K4, Self::K8, Self::Any];
+
+    const fn name(self) -> &'static str {
+        match self {
+            Self::K4 => "k4",
+            Self::K8 => "k8",
+            Self::Any => "any",
+        }
+    }
+
+    /// The register window (the kernel's `W`; 0: none).
+    pub const fn window(self) -> usize {
+        match self {
+            Self::K4 => 4,
+            Self::K8 => 8,
+            Self::Any => 0,
+        }
+    }
+}
+
 pub fn chunk_cumsum(t: Ty) -> String {
     format!("chunk_cumsum_{}", t.name())
 }
@@ -171,6 +201,25 @@ pub fn compute_out_simt(t: Ty, s: Ty) -> String {
     format!("compute_out_simt_{}_{}", t.name(), s.name())
 }
 
+/// The backward of stage 1: processed-dt gradients to raw dt and dt_bias.
+pub fn bwd_chunk_cumsum(t: Ty) -> String {
+    format!("bwd_chunk_cumsum_{}", t.name())
+}
+
+/// The backward state pass: every chunk's own state gradient, then the scan across chunks.
+pub fn bwd_chunk_state(t: Ty, s: Ty) -> String {
+    format!("bwd_chunk_state_{}_{}", t.name(), s.name())
+}
+
+pub fn bwd_state_scan(s: Ty) -> String {
+    format!("bwd_state_scan_{}", s.name())
+}
+
+/// The backward of compute_out: each chunk's gradients of x, B, C, dt, a and D.
+pub fn bwd_compute_out(t: Ty, s: Ty) -> String {
+    format!("bwd_compute_out_{}_{}", t.name(), s.name())
+}
+
 pub fn ssd_step(t: Ty, s: Ty, path: StepPath) -> String {
     format!("ssd_step_{}_{}_{}", t.name(), s.name(), path.name())
 }
@@ -183,6 +232,11 @@ pub fn causal_conv1d_step(t: Ty) -> String {
     format!("causal_conv1d_step_{}", t.name())
 }
 
+/// The prefill conv's backward (dx and the partial sums of dweight and dbias).
+pub fn causal_conv1d_bwd(t: Ty, taps: ConvTaps) -> String {
+    format!("causal_conv1d_bwd_{}_{}", t.name(), taps.name())
+}
+
 pub fn gated_rms_norm(t: Ty, kind: RowKind) -> String {
     format!("gated_rms_norm_{}_{}", t.name(), kind.name())
 }
@@ -191,6 +245,19 @@ pub fn gated_rms_norm(t: Ty, kind: RowKind) -> String {
 pub fn add_rms_norm(t: Ty, res_f32: bool, kind: RowKind) -> String {
     let res = if res_f32 { "res_f32" } else { "res_same" };
     format!("add_rms_norm_{}_{res}_{}", t.name(), kind.name())
+}
+
+/// The row kinds of the norms' backward kernels (strided values in registers, or re-read).
+pub const NORM_BWD_ROWS: [RowKind; 2] = [RowKind::Reg, RowKind::Loop];
+
+/// The gated norm's backward (dx, dz and the partial sums of dweight).
+pub fn gated_rms_norm_bwd(t: Ty, kind: RowKind) -> String {
+    format!("gated_rms_norm_bwd_{}_{}", t.name(), kind.name())
+}
+
+/// The RMSNorm's backward (add_rms_norm's recorded half: dv and the partial sums of dweight).
+pub fn rms_norm_bwd(t: Ty, kind: RowKind) -> String {
+    format!("rms_norm_bwd_{}_{}", t.name(), kind.name())
 }
 
 /// matvec with `rows` × `cols` per program, 16-byte loads (`vec`) or scalar ones.
@@ -224,7 +291,25 @@ pub fn instances() -> Vec<Instance> {
             "CHUNK_CUMSUM",
             &[t.c()],
         );
+        add(
+            &mut v,
+            "ssd/bwd_chunk_cumsum",
+            bwd_chunk_cumsum(t),
+            "BWD_CHUNK_CUMSUM",
+            &[t.c()],
+        );
         for s in STATES {
+            let args = [t.c(), s.c()];
+            let name = bwd_chunk_state(t, s);
+            add(&mut v, "ssd/bwd_pass_state", name, "BWD_CHUNK_STATE", &args);
+            let name = bwd_compute_out(t, s);
+            add(
+                &mut v,
+                "ssd/bwd_compute_out",
+                name,
+                "BWD_COMPUTE_OUT",
+                &args,
+            );
             let name = fwd_pass_state_simt(t, s);
             add(
                 &mut v,
@@ -260,6 +345,30 @@ pub fn instances() -> Vec<Instance> {
         );
         let name = causal_conv1d_step(t);
         add(&mut v, "conv/causal_conv1d", name, "CONV_STEP", &[t.c()]);
+        for taps in ConvTaps::ALL {
+            let name = causal_conv1d_bwd(t, taps);
+            let w = taps.window().to_string();
+            add(&mut v, "conv/causal_conv1d", name, "CONV_BWD", &[t.c(), &w]);
+        }
+        for kind in NORM_BWD_ROWS {
+            let rows = if kind == RowKind::Reg { "8" } else { "0" };
+            let name = gated_rms_norm_bwd(t, kind);
+            add(
+                &mut v,
+                "norm/rms_norm",
+                name,
+                "GATED_NORM_BWD",
+                &[t.c(), rows],
+            );
+            let name = rms_norm_bwd(t, kind);
+            add(
+                &mut v,
+                "norm/rms_norm",
+                name,
+                "RMS_NORM_BWD",
+                &[t.c(), rows],
+            );
+        }
         for kind in RowKind::ALL {
             let (gated, add_norm, rows) = match kind {
                 RowKind::Vec => ("GATED_NORM_VEC", "ADD_NORM_VEC", ""),
@@ -301,6 +410,13 @@ pub fn instances() -> Vec<Instance> {
         }
     }
     for s in STATES {
+        add(
+            &mut v,
+            "ssd/bwd_pass_state",
+            bwd_state_scan(s),
+            "BWD_STATE_SCAN",
+            &[s.c()],
+        );
         for deep in [false, true] {
             // Chunks of 8 states in flight per thread: 128 bytes, 256 in the deep ring.
             let per = (if deep { 256 } else { 128 } / (8 * s.bytes())).to_string();
@@ -370,6 +486,9 @@ mod tests {
             "ssd/chunk_cumsum",
             "ssd/fwd_pass_state",
             "ssd/compute_out",
+            "ssd/bwd_chunk_cumsum",
+            "ssd/bwd_pass_state",
+            "ssd/bwd_compute_out",
             "ssd_step/ssd_step",
             "conv/causal_conv1d",
             "norm/rms_norm",

@@ -61,7 +61,9 @@ pub use dt::DtOptions;
 pub use loss::cross_entropy;
 pub use matvec::matvec;
 pub use norm::{add_rms_norm, gated_rms_norm};
-pub use ssd::{chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_xbc, SsdOptions};
+pub use ssd::{
+    chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_backward, ssd_xbc, SsdGrads, SsdOptions,
+};
 #[cfg(feature = "timeline")]
 pub use ssd::{ssd_timeline, ssd_timeline_reset, TimelineMark};
 pub use ssd_step::{ssd_step, StepOptions};

@@ -1,14 +1,21 @@
-// Depthwise causal conv1d with fused bias + SiLU, and its one-token update (channels last):
+// Depthwise causal conv1d with fused bias + SiLU, its one-token update (channels last), and the
+// prefill's backward:
 //   y[b,t,d] = act(bias[d] + Σ_{k<K} w[d,k] · u[b, t−K+1+k, d]),  u = state (K values) ++ x
 // x rows (tokens) may be strided (a slice of in_proj's output): row r of batch b starts at
 // x + (b·L + r)·x_stride. weight [D,K], bias [D], state [B,D,K] (the last K inputs, oldest
 // first); all of type T, f32 accumulation. The output is cut by channels into up to three
 // contiguous pieces (x, B and C of the mixer): channel d < s0 goes to y0 [rows, s0], the next s1
 // to y1 [rows, s1], the rest to y2 [rows, D − s0 − s1].
+// The backward, with a the pre-activation (recomputed) and dy, dx [B,L,D] contiguous:
+//   da = dy · act'(a)      dx[b,s,d] = Σ_k w[d,k] · da[b, s+K−1−k, d]   (positions < L)
+//   dw[d,k] = Σ_{b,t} da[b,t,d] · u[b, t−K+1+k, d]      dbias[d] = Σ_{b,t} da[b,t,d]
+// Each program leaves its sums of dw and dbias as one f32 row [K+1, D] (tap-major, then the
+// bias) of `part`; the rows are summed after the kernel.
 #include "params.cuh"
 
 namespace {
 
+using m2::ConvBwdParams;
 using m2::ConvParams;
 
 template <typename T>
@@ -89,6 +96,115 @@ __device__ void conv_step(T* __restrict__ st, const T* __restrict__ x, const T* 
   put<T>(p, b, d, D, acc);
 }
 
+// silu'(a) = σ(a)·(1 + a·(1 − σ(a))).
+__device__ __forceinline__ float silu_grad(float a) {
+  const float s = __fdividef(1.f, 1.f + __expf(-a));
+  return s * (1.f + a * (1.f - s));
+}
+
+constexpr int AHEAD = 4;  // tokens whose loads the backward issues together
+
+// One thread per channel d and one program per span of tokens [ts, te) of batch b: dx of those
+// tokens, and their terms of dw and dbias. dx[s] needs da up to s + K − 1, so the thread runs on
+// K − 1 tokens past te (recomputing their da) and starts from the K − 1 inputs before ts.
+// W > 0: the taps and the last W inputs and da values stay in registers (K <= W), slot j of a
+// window holding position t − (W−1) + j once token t is in; W = 0: any K, read from memory.
+template <typename T, int W>
+__device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
+                         const T* __restrict__ w, const T* __restrict__ bias,
+                         const T* __restrict__ st, T* __restrict__ dx, float* __restrict__ part,
+                         const ConvBwdParams& p) {
+  const int L = p.seqlen, D = p.dim, K = p.width;
+  const long x_stride = p.x_stride;
+  const int d = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.z;
+  if (d >= D) return;
+  const int ts = blockIdx.y * p.span, te = ts + min(p.span, L - ts);
+  const long row0 = static_cast<long>(b) * L;
+  const T* dyc = dy + row0 * D + d;
+  T* dxc = dx + row0 * D + d;
+  float* pc = part + (static_cast<long>(b) * gridDim.y + blockIdx.y) * (K + 1) * D + d;
+  const float bv = bias ? m2::to_f(bias[d]) : 0.f;
+  const T* wd = w + static_cast<long>(d) * K;
+  float db = 0.f;
+  if constexpr (W > 0) {
+    const int lo = W - K;  // the live slots: lo..W−1
+    float wa[W], wb[W], u[W], da[W], gw[W];
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      // wa: the taps against the inputs (slot j is tap j − lo); wb: against da (tap W−1−j).
+      wa[j] = j >= lo ? m2::to_f(wd[j - lo]) : 0.f;
+      wb[j] = j >= lo ? m2::to_f(wd[W - 1 - j]) : 0.f;
+      // Before token ts comes in, slot j holds position ts − W + j.
+      u[j] = j > lo ? input(x, st, b, ts - W + j, d, L, D, K, x_stride) : 0.f;
+      da[j] = 0.f;
+      gw[j] = 0.f;
+    }
+    const int tend = te + K - 1;
+    for (int t0 = ts; t0 < tend; t0 += AHEAD) {
+      float xv[AHEAD], gv[AHEAD];
+#pragma unroll
+      for (int i = 0; i < AHEAD; ++i) {
+        const int t = t0 + i;
+        const bool in = t < tend && t < L;
+        xv[i] = in ? m2::to_f(x[(row0 + t) * x_stride + d]) : 0.f;
+        gv[i] = in ? m2::to_f(dyc[static_cast<long>(t) * D]) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < AHEAD; ++i) {
+        const int t = t0 + i;
+        if (t >= tend) break;
+        float a = bv;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          u[j] = j + 1 < W ? u[j + 1] : xv[i];
+          if (j >= lo) a += wa[j] * u[j];
+        }
+        // Past L, dy is 0 and so is da.
+        const float g = p.silu ? gv[i] * silu_grad(a) : gv[i];
+        if (t < te) {
+          db += g;
+#pragma unroll
+          for (int j = 0; j < W; ++j)
+            if (j >= lo) gw[j] += g * u[j];
+        }
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          da[j] = j + 1 < W ? da[j + 1] : g;
+          if (j >= lo) s += wb[j] * da[j];
+        }
+        // With token t in, the window holds all of dx[t − K + 1]'s terms.
+        const int so = t - K + 1;
+        if (so >= ts) dxc[static_cast<long>(so) * D] = m2::from_f<T>(s);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < W; ++j)
+      if (j >= lo) pc[static_cast<long>(j - lo) * D] = gw[j];
+  } else {
+    auto u_at = [&](int t) { return input(x, st, b, t, d, L, D, K, x_stride); };
+    auto da_at = [&](int t) {
+      if (t >= L) return 0.f;
+      const float g = m2::to_f(dyc[static_cast<long>(t) * D]);
+      if (!p.silu) return g;
+      float a = bv;
+      for (int k = 0; k < K; ++k) a += m2::to_f(wd[k]) * u_at(t - K + 1 + k);
+      return g * silu_grad(a);
+    };
+    // The thread alone writes its entries of the row: they accumulate in place.
+    for (int k = 0; k < K; ++k) pc[static_cast<long>(k) * D] = 0.f;
+    for (int t = ts; t < te; ++t) {
+      const float g = da_at(t);
+      db += g;
+      for (int k = 0; k < K; ++k) pc[static_cast<long>(k) * D] += g * u_at(t - K + 1 + k);
+      float s = 0.f;
+      for (int k = 0; k < K; ++k) s += m2::to_f(wd[k]) * da_at(t + K - 1 - k);
+      dxc[static_cast<long>(t) * D] = m2::from_f<T>(s);
+    }
+  }
+  pc[static_cast<long>(K) * D] = db;
+}
+
 }  // namespace
 
 // The kernels, instantiated from the list in src/instances.rs (causal_conv1d.inc).
@@ -102,5 +218,11 @@ __device__ void conv_step(T* __restrict__ st, const T* __restrict__ x, const T* 
   extern "C" __global__ void NAME(T* st, const T* x, const T* w, const T* bias, ConvParams p) { \
     m2::wait_prior_grid();                                                                     \
     conv_step<T>(st, x, w, bias, p);                                                           \
+  }
+#define CONV_BWD(NAME, T, W)                                                                   \
+  extern "C" __global__ void NAME(const T* x, const T* dy, const T* w, const T* bias,          \
+                                  const T* st, T* dx, float* part, ConvBwdParams p) {          \
+    m2::wait_prior_grid();                                                                     \
+    conv_bwd<T, W>(x, dy, w, bias, st, dx, part, p);                                           \
   }
 #include "conv/causal_conv1d.inc"

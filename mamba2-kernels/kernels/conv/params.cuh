@@ -1,5 +1,6 @@
-// The parameters of the conv kernels, passed by value. Mirrored by `ConvParams` in
-// src/conv/cuda.rs; both sides assert the same size and offsets, so a drift fails the build.
+// The parameters of the conv kernels, passed by value. Mirrored by `ConvParams` and
+// `ConvBwdParams` in src/conv/cuda.rs; both sides assert the same size and offsets, so a drift
+// fails the build.
 #pragma once
 #include "common.cuh"
 
@@ -28,5 +29,23 @@ M2_AT(ConvParams, seqlen, 44);
 M2_AT(ConvParams, dim, 48);
 M2_AT(ConvParams, width, 52);
 M2_AT(ConvParams, silu, 56);
+
+// The backward's: the token-row stride of x (elements; dy and dx are contiguous), the
+// dimensions, the tokens of one program (program y of batch b takes tokens [y·span, (y+1)·span)
+// of it) and whether SiLU is applied.
+struct ConvBwdParams {
+  long x_stride;
+  int batch, seqlen, dim, width;
+  int span;
+  int silu;
+};
+M2_SIZE(ConvBwdParams, 32);
+M2_AT(ConvBwdParams, x_stride, 0);
+M2_AT(ConvBwdParams, batch, 8);
+M2_AT(ConvBwdParams, seqlen, 12);
+M2_AT(ConvBwdParams, dim, 16);
+M2_AT(ConvBwdParams, width, 20);
+M2_AT(ConvBwdParams, span, 24);
+M2_AT(ConvBwdParams, silu, 28);
 
 }  // namespace m2

@@ -1,5 +1,6 @@
-// The parameters of the norm kernels, passed by value. Mirrored by `NormParams` in
-// src/norm/cuda.rs; both sides assert the same size and offsets, so a drift fails the build.
+// The parameters of the norm kernels, passed by value. Mirrored by `NormParams` and
+// `NormBwdParams` in src/norm/cuda.rs; both sides assert the same size and offsets, so a drift
+// fails the build.
 #pragma once
 #include "common.cuh"
 
@@ -17,5 +18,20 @@ M2_AT(NormParams, z_stride, 0);
 M2_AT(NormParams, dim, 8);
 M2_AT(NormParams, group, 12);
 M2_AT(NormParams, eps, 16);
+
+// The backward's: the row stride of z (the gated norm; x, dy and the outputs are contiguous),
+// the row count, the row length, the channels per normalised group (D for the plain norm), eps.
+struct NormBwdParams {
+  long z_stride;
+  long rows;
+  int dim, group;
+  float eps;
+};
+M2_SIZE(NormBwdParams, 32);
+M2_AT(NormBwdParams, z_stride, 0);
+M2_AT(NormBwdParams, rows, 8);
+M2_AT(NormBwdParams, dim, 16);
+M2_AT(NormBwdParams, group, 20);
+M2_AT(NormBwdParams, eps, 24);
 
 }  // namespace m2

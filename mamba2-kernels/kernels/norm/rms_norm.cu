@@ -4,6 +4,12 @@
 //   add:    r = x + residual, y = r / sqrt(mean(r²) + eps) · w, and r is the new residual
 // x, z, y and w of type T; z rows may be strided (a slice of in_proj's output); the residual is
 // f32 or T (R). Arithmetic in f32; y of the add norm comes from the f32 sum, not the rounded r.
+// The backwards of the gated norm and of the plain RMSNorm (g = v; add_rms_norm's recorded half),
+// with r = 1/sqrt(mean_group(g²) + eps):
+//   dg = r·w·dy − g·r³·mean_group(g·w·dy)      dw = Σ_rows dy·g·r
+//   dx = dg·silu(z)      dz = dg·x·silu'(z),   silu'(z) = σ(z)·(1 + z·(1 − σ(z)))
+// Program (i, j) takes group j of rows i, i + gridDim.x, …: it leaves its sums of dw as row i
+// of `part` [gridDim.x, D] (f32); the rows are summed after the kernel.
 #include "params.cuh"
 
 namespace {
@@ -166,10 +172,115 @@ __device__ void add_rms_norm_vec(const T* __restrict__ x, const R* __restrict__ 
   }
 }
 
+// Two block-wide sums at once.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float2* red) {
+  a = m2::warp_sum(a);
+  b = m2::warp_sum(b);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) red[warp] = make_float2(a, b);
+  __syncthreads();
+  const float2 s = lane < warps ? red[lane] : make_float2(0.f, 0.f);
+  return make_float2(m2::warp_sum(s.x), m2::warp_sum(s.y));
+}
+
+// The gradients of one element from its input x (and gate z when GATED), output gradient dy,
+// weight wv and the group's r and c = r³·mean(g·w·dy): dx (and dz) written at i of the rows dxr
+// (dzr); returns its term of dw.
+template <typename T, bool GATED>
+__device__ __forceinline__ float norm_grad(float x, float z, float dy, float wv, float r, float c,
+                                           T* dxr, T* dzr, int i) {
+  if constexpr (GATED) {
+    const float s = __fdividef(1.f, 1.f + __expf(-z)), g = x * z * s;
+    const float dg = r * wv * dy - g * c;
+    dxr[i] = m2::from_f<T>(dg * z * s);
+    dzr[i] = m2::from_f<T>(dg * x * s * (1.f + z * (1.f - s)));
+    return dy * g * r;
+  } else {
+    dxr[i] = m2::from_f<T>(r * wv * dy - x * c);
+    return dy * x * r;
+  }
+}
+
+// The backward of one group per program over the program's rows (see the top). V > 0: element i
+// at thread i % blockDim, slot i / blockDim, the group's values held in registers between the
+// sums and the gradients (the weights are read again, from cache), its dw sums for all rows;
+// V = 0: the row is re-read and the dw sums accumulate in the program's row of `part` (any
+// length).
+template <typename T, int V, bool GATED>
+__device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ z,
+                             const T* __restrict__ w, const T* __restrict__ dy, T* __restrict__ dx,
+                             T* __restrict__ dz, float* __restrict__ part,
+                             const m2::NormBwdParams& p) {
+  __shared__ float2 red[32];
+  const int D = p.dim, group = p.group, g0 = blockIdx.y * group;
+  const float inv = 1.f / group;
+  float* pr = part + static_cast<long>(blockIdx.x) * D + g0;
+  const T* wg = w + g0;
+  auto gate = [](float xv, float zv) { return GATED ? xv * m2::silu(zv) : xv; };
+  if constexpr (V > 0) {
+    float acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0.f;
+    for (long row = blockIdx.x; row < p.rows; row += gridDim.x) {
+      const T* xr = x + row * D + g0;
+      const T* zr = GATED ? z + row * p.z_stride + g0 : nullptr;
+      const T* dyr = dy + row * D + g0;
+      float xv[V], zv[V], dv[V], ss = 0.f, sd = 0.f;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        const bool live = i < group;
+        xv[j] = live ? m2::to_f(xr[i]) : 0.f;
+        zv[j] = GATED && live ? m2::to_f(zr[i]) : 0.f;
+        dv[j] = live ? m2::to_f(dyr[i]) : 0.f;
+        const float g = gate(xv[j], zv[j]);
+        ss += g * g;
+        sd += live ? g * m2::to_f(wg[i]) * dv[j] : 0.f;
+      }
+      const float2 s = block_sum2(ss, sd, red);
+      const float r = rsqrtf(s.x * inv + p.eps), c = r * r * r * s.y * inv;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < group)
+          acc[j] += norm_grad<T, GATED>(xv[j], zv[j], dv[j], m2::to_f(wg[i]), r, c,
+                                        dx + row * D + g0, GATED ? dz + row * D + g0 : nullptr, i);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      if (i < group) pr[i] = acc[j];
+    }
+  } else {
+    // The thread alone writes its elements of the row: they accumulate in place.
+    for (int i = threadIdx.x; i < group; i += blockDim.x) pr[i] = 0.f;
+    for (long row = blockIdx.x; row < p.rows; row += gridDim.x) {
+      const T* xr = x + row * D + g0;
+      const T* zr = GATED ? z + row * p.z_stride + g0 : nullptr;
+      const T* dyr = dy + row * D + g0;
+      auto zv = [&](int i) { return GATED ? m2::to_f(zr[i]) : 0.f; };
+      float ss = 0.f, sd = 0.f;
+      for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        const float g = gate(m2::to_f(xr[i]), zv(i));
+        ss += g * g;
+        sd += g * m2::to_f(wg[i]) * m2::to_f(dyr[i]);
+      }
+      const float2 s = block_sum2(ss, sd, red);
+      const float r = rsqrtf(s.x * inv + p.eps), c = r * r * r * s.y * inv;
+      for (int i = threadIdx.x; i < group; i += blockDim.x)
+        pr[i] += norm_grad<T, GATED>(m2::to_f(xr[i]), zv(i), m2::to_f(dyr[i]), m2::to_f(wg[i]), r,
+                                     c, dx + row * D + g0, GATED ? dz + row * D + g0 : nullptr, i);
+    }
+  }
+}
+
 }  // namespace
 
 // The kernels, instantiated from the list in src/instances.rs (rms_norm.inc); R is the
-// residual's type, V the values per thread held in registers (0: the row is re-read).
+// residual's type, V the values per thread held in registers (0: the row is re-read). The
+// backwards are bounded to registers for 1024 threads, the most a row program takes.
 #define GATED_NORM(NAME, T, V)                                                                 \
   extern "C" __global__ void NAME(const T* x, const T* z, const T* w, T* y, m2::NormParams p) { \
     m2::wait_prior_grid();                                                                     \
@@ -191,5 +302,18 @@ __device__ void add_rms_norm_vec(const T* __restrict__ x, const R* __restrict__ 
                                   m2::NormParams p) {                                          \
     m2::wait_prior_grid();                                                                     \
     add_rms_norm_vec<T, R>(x, res, w, y, res_out, p.dim, p.eps);                               \
+  }
+#define GATED_NORM_BWD(NAME, T, V)                                                             \
+  extern "C" __global__ void __launch_bounds__(1024)                                           \
+      NAME(const T* x, const T* z, const T* w, const T* dy, T* dx, T* dz, float* part,         \
+           m2::NormBwdParams p) {                                                              \
+    m2::wait_prior_grid();                                                                     \
+    rms_norm_bwd<T, V, true>(x, z, w, dy, dx, dz, part, p);                                    \
+  }
+#define RMS_NORM_BWD(NAME, T, V)                                                               \
+  extern "C" __global__ void __launch_bounds__(1024)                                           \
+      NAME(const T* x, const T* w, const T* dy, T* dx, float* part, m2::NormBwdParams p) {     \
+    m2::wait_prior_grid();                                                                     \
+    rms_norm_bwd<T, V, false>(x, nullptr, w, dy, dx, nullptr, part, p);                        \
   }
 #include "norm/rms_norm.inc"

@@ -1,15 +1,17 @@
-//! Launchers of `kernels/conv/causal_conv1d.cu` (prefill and one-token step). The input rows may
-//! be a slice of a wider tensor (xBC inside in_proj's output): the kernels take their row stride.
-//! The output is written as up to three contiguous pieces cut by channels (the mixer's x, B and
-//! C).
+//! Launchers of `kernels/conv/causal_conv1d.cu` (prefill, one-token step and the prefill's
+//! backward). The input rows may be a slice of a wider tensor (xBC inside in_proj's output): the
+//! kernels take their row stride. The output is written as up to three contiguous pieces cut by
+//! channels (the mixer's x, B and C). The backward gives dx and one row of f32 partial sums of
+//! dweight and dbias per program, spans of tokens as `plan` cuts them.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 
+use super::plan;
 use crate::check::ConvDims;
 use crate::cuda::{alloc, cfg, fatbin, function, i, launch, m2_layout, opt_ptr, ptr, rows_ptr};
-use crate::cuda::{ty, written, Guards, Held, Image};
+use crate::cuda::{sm_count, ty, written, Guards, Held, Image};
 use crate::instances;
 
 const IMAGE: Image = fatbin!("conv_causal_conv1d");
@@ -40,6 +42,25 @@ m2_layout!(ConvParams, 64, {
 });
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for ConvParams {}
+
+/// `m2::ConvBwdParams` (`kernels/conv/params.cuh`): the token-row stride of x, the dimensions,
+/// the tokens per program, SiLU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ConvBwdParams {
+    x_stride: i64,
+    batch: i32,
+    seqlen: i32,
+    dim: i32,
+    width: i32,
+    span: i32,
+    silu: i32,
+}
+m2_layout!(ConvBwdParams, 32, {
+    x_stride: 0, batch: 8, seqlen: 12, dim: 16, width: 20, span: 24, silu: 28,
+});
+// SAFETY: plain old data with the C struct's layout (asserted above).
+unsafe impl DeviceRepr for ConvBwdParams {}
 
 /// What a conv op holds besides its arguments: SiLU, dimensions and the channel counts of the
 /// output pieces.
@@ -188,4 +209,95 @@ pub(super) fn causal_conv1d_step(
         written(y, &stream)?;
     }
     Ok(ys)
+}
+
+/// The backward of the prefill conv: `dx [B·L, D]` contiguous, and the partial sums of the
+/// parameter gradients, one f32 row `[K+1, D]` per program (dweight tap-major, then dbias), with
+/// their row count.
+pub(super) struct ConvGrads {
+    pub dx: CudaStorage,
+    pub parts: CudaStorage,
+    pub programs: usize,
+}
+
+/// The prefill conv's backward for the output gradient `dy [B,L,D]` (contiguous) from the
+/// forward's x, weight, bias and initial state (see `kernels/conv/causal_conv1d.cu`).
+pub(super) fn causal_conv1d_bwd(
+    silu: bool,
+    d: ConvDims,
+    (x_s, x_l): Input,
+    (w_s, w_l): Input,
+    bias: Option<Input>,
+    (st_s, st_l): Input,
+    (dy_s, dy_l): Input,
+) -> Result<ConvGrads> {
+    let op = "causal_conv1d backward";
+    let dtype = x_s.dtype();
+    let others = [
+        ("weight", w_s),
+        ("initial_state", st_s),
+        ("output gradient", dy_s),
+    ];
+    for (name, s) in others.into_iter().chain(bias.map(|(b, _)| ("bias", b))) {
+        if s.dtype() != dtype {
+            bail!("{op}: {name} is {:?}, x is {dtype:?}", s.dtype())
+        }
+    }
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let threads = plan::threads(d.dim);
+    let span = plan::span(d.batch, d.seqlen, d.dim, sm_count(&stream)?);
+    // Token indices run up to L + K − 1 + span inside the kernel.
+    i(d.seqlen + d.width + span)?;
+    let spans = d.seqlen.div_ceil(span);
+    let programs = d.batch * spans;
+    let rows = d.batch * d.seqlen;
+    let mut dx = alloc(dev, dtype, rows * d.dim)?;
+    let parts_len = programs * (d.width + 1) * d.dim;
+    let mut parts = alloc(dev, DType::F32, parts_len)?;
+    let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
+    let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
+    let (bias_p, _g3) = match bias {
+        Some((b_s, b_l)) => {
+            let (p, g) = ptr(op, "bias", b_s, b_l, &stream)?;
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
+    let (st_p, _g4) = ptr(op, "initial_state", st_s, st_l, &stream)?;
+    let (dy_p, _g5) = ptr(op, "output gradient", dy_s, dy_l, &stream)?;
+    let dx_p = ptr(op, "dx", &dx, &Layout::contiguous(rows * d.dim), &stream)?.0;
+    let parts_p = ptr(
+        op,
+        "partial sums",
+        &parts,
+        &Layout::contiguous(parts_len),
+        &stream,
+    )?
+    .0;
+    let params = ConvBwdParams {
+        x_stride,
+        batch: i(d.batch)?,
+        seqlen: i(d.seqlen)?,
+        dim: i(d.dim)?,
+        width: i(d.width)?,
+        span: i(span)?,
+        silu: silu as i32,
+    };
+    let kernel = instances::causal_conv1d_bwd(ty(op, dtype)?, plan::taps(d.width));
+    let f = function(&stream, IMAGE, &kernel)?;
+    let grid = [d.dim.div_ceil(threads), spans, d.batch];
+    launch(
+        &stream,
+        &f,
+        cfg(op, &stream, grid, [threads, 1, 1], 0)?,
+        &[&x_p, &dy_p, &w_p, &bias_p, &st_p, &dx_p, &parts_p, &params],
+    )?;
+    written(&mut dx, &stream)?;
+    written(&mut parts, &stream)?;
+    Ok(ConvGrads {
+        dx,
+        parts,
+        programs,
+    })
 }

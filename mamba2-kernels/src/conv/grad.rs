@@ -1,10 +1,11 @@
 //! The differentiable prefill conv. When x, the weight or the bias tracks gradients,
 //! [`causal_conv1d_split`](super::causal_conv1d_split) records the conv as one candle op on
 //! `(x, weight, bias)` (on `(x, weight)` without a bias) whose backward returns dx, dweight and
-//! dbias (`cpu::backward`, on the CPU only), and cuts the pieces from its one output with
-//! `narrow`, which candle differentiates. The initial state is held by the op, not one of its
-//! arguments: it gets no gradient. The returned new state, the last K inputs, is cut from
-//! detached tensors and carries no gradient either.
+//! dbias (`cpu::backward` on the CPU; on CUDA the backward kernel, whose per-program partial sums
+//! of dweight and dbias candle adds up in f32 before they take the weight's dtype), and cuts the
+//! pieces from its one output with `narrow`, which candle differentiates. The initial state is
+//! held by the op, not one of its arguments: it gets no gradient. The returned new state, the
+//! last K inputs, is cut from detached tensors and carries no gradient either.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
@@ -81,6 +82,10 @@ impl RecordedConv {
     }
 
     fn grads(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, dy: &Tensor) -> Result<Grads> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return self.cuda_grads(x, w, bias, dy);
+        }
         if wide(x.dtype()) {
             self.grads_in::<f64>(x, w, bias, dy)
         } else {
@@ -109,6 +114,45 @@ impl RecordedConv {
             None => None,
         };
         Ok((gradient(g.dx, x)?, gradient(g.dw, w)?, dbias))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl RecordedConv {
+    fn cuda_grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        dy: &Tensor,
+    ) -> Result<Grads> {
+        use crate::cuda::{tensor, Held};
+        let dy = dy.contiguous()?;
+        let [xh, wh, sh, dyh] = [x, w, &self.state, &dy].map(Held::new);
+        let bh = bias.map(Held::new);
+        let g = super::cuda::causal_conv1d_bwd(
+            self.silu,
+            self.dims,
+            xh.arg(OP, "x")?,
+            wh.arg(OP, "weight")?,
+            bh.as_ref().map(|h| h.arg(OP, "bias")).transpose()?,
+            sh.arg(OP, "initial_state")?,
+            dyh.arg(OP, "output gradient")?,
+        )?;
+        let ConvDims { dim, width, .. } = self.dims;
+        let sums = tensor(g.parts, (g.programs, (width + 1) * dim)).sum(0)?;
+        let dx = x.track_op().then(|| tensor(g.dx, x.shape()));
+        let dw = if w.track_op() {
+            let taps = sums.narrow(0, 0, width * dim)?.reshape((width, dim))?;
+            Some(taps.t()?.to_dtype(w.dtype())?.contiguous()?)
+        } else {
+            None
+        };
+        let dbias = match bias.filter(|b| b.track_op()) {
+            Some(b) => Some(sums.narrow(0, width * dim, dim)?.to_dtype(b.dtype())?),
+            None => None,
+        };
+        Ok((dx, dw, dbias))
     }
 }
 

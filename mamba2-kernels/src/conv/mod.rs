@@ -17,12 +17,13 @@
 //! the bias. When none of them tracks gradients (inference) the op is not recorded and costs
 //! nothing extra; otherwise the conv is a recorded op with a backward (see `grad.rs`). The
 //! initial state gets no gradient and the returned new state carries none. The backward runs on
-//! the CPU only (no CUDA backward yet). The one-token step is not differentiable.
+//! the device of its inputs, CPU or CUDA. The one-token step is not differentiable.
 
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod grad;
+mod plan;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{

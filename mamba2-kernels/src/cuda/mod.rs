@@ -321,6 +321,11 @@ impl<'a> Held<'a> {
         }
     }
 
+    /// Its CUDA storage and layout, as a launcher takes an argument.
+    pub fn arg(&self, op: &str, name: &str) -> Result<(&CudaStorage, &Layout)> {
+        Ok((self.cuda(op, name)?, self.layout))
+    }
+
     /// Its device address (it must be contiguous), its stream guard kept in `guards`.
     pub fn ptr<'s>(
         &'s self,
@@ -333,6 +338,12 @@ impl<'a> Held<'a> {
         guards.push(g);
         Ok(p)
     }
+}
+
+/// A storage the kernels wrote, as a tensor of `shape` that records no op.
+pub(crate) fn tensor(s: CudaStorage, shape: impl Into<candle_core::Shape>) -> Tensor {
+    let none = candle_core::op::BackpropOp::none();
+    Tensor::from_storage(Storage::Cuda(s), shape, none, false)
 }
 
 /// The device address of an optional held tensor, or 0 (the kernels' "absent").
@@ -365,6 +376,20 @@ pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaSt
         let stream = dev.cuda_stream();
         let p = ptr("alloc", "output", &s, &Layout::contiguous(len), &stream)?.0;
         poison(&stream, p, len * dtype.size_in_bytes())?;
+    }
+    Ok(s)
+}
+
+/// A fresh buffer of `len` zeros of `dtype` (for outputs that kernels accumulate into).
+pub(crate) fn zeroed(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
+    let s = alloc(dev, dtype, len)?;
+    if len > 0 {
+        let stream = dev.cuda_stream();
+        let p = ptr("zeroed", "output", &s, &Layout::contiguous(len), &stream)?.0;
+        // SAFETY: `p` addresses the `len` elements just allocated on this stream.
+        unsafe {
+            result::memset_d8_async(p, 0, len * dtype.size_in_bytes(), stream.cu_stream()).w()?
+        }
     }
     Ok(s)
 }

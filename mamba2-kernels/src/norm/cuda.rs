@@ -1,15 +1,17 @@
 //! Launchers of `kernels/norm/rms_norm.cu`: the gated RMSNorm (one program per row and group)
 //! and residual add + RMSNorm (one program per row), each row held in registers when it fits
-//! (`plan::row_program`). The gate z may be a slice of in_proj's output: its row stride is
-//! passed.
+//! (`plan::row_program`), and the backwards of the gated norm and of the plain RMSNorm (one
+//! program per group and set of rows, `plan::bwd_programs`), which give the input gradients and
+//! one row of f32 partial sums of dweight per program. The gate z may be a slice of in_proj's
+//! output: its row stride is passed.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Tensor};
 
-use super::plan::row_program;
+use super::plan::{bwd_programs, bwd_row_program, row_program};
 use crate::cuda::{alloc, cfg, fatbin, function, i, launch, m2_layout, opt_ptr, ptr, rows_ptr};
-use crate::cuda::{ty, written, Guards, Held, Image};
+use crate::cuda::{sm_count, ty, written, Guards, Held, Image};
 use crate::instances;
 
 const IMAGE: Image = fatbin!("norm_rms_norm");
@@ -27,6 +29,21 @@ struct NormParams {
 m2_layout!(NormParams, 24, { z_stride: 0, dim: 8, group: 12, eps: 16 });
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for NormParams {}
+
+/// `m2::NormBwdParams` (`kernels/norm/params.cuh`): z's row stride, the row count, the row
+/// length, the channels per normalised group, eps.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct NormBwdParams {
+    z_stride: i64,
+    rows: i64,
+    dim: i32,
+    group: i32,
+    eps: f32,
+}
+m2_layout!(NormBwdParams, 32, { z_stride: 0, rows: 8, dim: 16, group: 20, eps: 24 });
+// SAFETY: plain old data with the C struct's layout (asserted above).
+unsafe impl DeviceRepr for NormBwdParams {}
 
 /// Whether every address is 16-byte aligned.
 fn aligned16(addrs: &[u64]) -> bool {
@@ -123,4 +140,119 @@ pub(super) fn add_rms_norm(
     written(&mut y, &stream)?;
     written(&mut res_out, &stream)?;
     Ok((y, res_out))
+}
+
+/// The backward of a norm: the gradient of its input (x, or v), of the gate (the gated norm),
+/// and the partial sums of dweight, one f32 row `[D]` per program, with their row count.
+pub(super) struct NormGrads {
+    pub dx: CudaStorage,
+    pub dz: Option<CudaStorage>,
+    pub parts: CudaStorage,
+    pub programs: usize,
+}
+
+/// The backward of the gated norm (`gate` its z) or of the plain RMSNorm of whole rows (`None`)
+/// for the output gradient `dy` (contiguous) from the forward's input and weight.
+pub(super) fn rms_norm_bwd(
+    (x_s, x_l): Input,
+    gate: Option<Input>,
+    (w_s, w_l): Input,
+    (dy_s, dy_l): Input,
+    group: usize,
+    eps: f32,
+) -> Result<NormGrads> {
+    let op = if gate.is_some() {
+        "gated_rms_norm backward"
+    } else {
+        "add_rms_norm backward"
+    };
+    let dtype = x_s.dtype();
+    let others = [("weight", w_s), ("output gradient", dy_s)];
+    for (name, s) in others.into_iter().chain(gate.map(|(z, _)| ("z", z))) {
+        if s.dtype() != dtype {
+            bail!("{op}: {name} is {:?}, x is {dtype:?}", s.dtype())
+        }
+    }
+    let dim = w_l.shape().elem_count();
+    if dim == 0 || group == 0 || dim % group != 0 {
+        bail!("{op}: group size {group} must divide the row length {dim}")
+    }
+    let len = x_l.shape().elem_count();
+    if len % dim != 0 || dy_l.shape().elem_count() != len {
+        bail!(
+            "{op}: x {:?} and the output gradient {:?} must be rows of the weight's {dim} values",
+            x_l.dims(),
+            dy_l.dims()
+        )
+    }
+    let rows = len / dim;
+    let dev = &x_s.device;
+    let stream = dev.cuda_stream();
+    let (threads, kind) = bwd_row_program(group);
+    let groups = dim / group;
+    let programs = bwd_programs(rows, groups, threads, sm_count(&stream)?);
+    let mut dx = alloc(dev, dtype, len)?;
+    let mut dz = gate.map(|_| alloc(dev, dtype, len)).transpose()?;
+    let mut parts = alloc(dev, DType::F32, programs * dim)?;
+    let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
+    let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
+    let (dy_p, _g3) = ptr(op, "output gradient", dy_s, dy_l, &stream)?;
+    let (z_p, z_stride, _g4) = match gate {
+        Some((z_s, z_l)) => {
+            let (p, stride, g) = rows_ptr(op, "z", z_s, z_l, &stream)?;
+            (p, stride, Some(g))
+        }
+        None => (0, 0, None),
+    };
+    let out = Layout::contiguous(len);
+    let dx_p = ptr(op, "dx", &dx, &out, &stream)?.0;
+    let dz_p = match &dz {
+        Some(s) => ptr(op, "dz", s, &out, &stream)?.0,
+        None => 0,
+    };
+    let parts_p = ptr(
+        op,
+        "partial sums",
+        &parts,
+        &Layout::contiguous(programs * dim),
+        &stream,
+    )?
+    .0;
+    let params = NormBwdParams {
+        z_stride,
+        rows: rows as i64,
+        dim: i(dim)?,
+        group: i(group)?,
+        eps,
+    };
+    let t = ty(op, dtype)?;
+    let config = cfg(op, &stream, [programs, groups, 1], [threads, 1, 1], 0)?;
+    if gate.is_some() {
+        let f = function(&stream, IMAGE, &instances::gated_rms_norm_bwd(t, kind))?;
+        launch(
+            &stream,
+            &f,
+            config,
+            &[&x_p, &z_p, &w_p, &dy_p, &dx_p, &dz_p, &parts_p, &params],
+        )?;
+    } else {
+        let f = function(&stream, IMAGE, &instances::rms_norm_bwd(t, kind))?;
+        launch(
+            &stream,
+            &f,
+            config,
+            &[&x_p, &w_p, &dy_p, &dx_p, &parts_p, &params],
+        )?;
+    }
+    written(&mut dx, &stream)?;
+    if let Some(s) = dz.as_mut() {
+        written(s, &stream)?;
+    }
+    written(&mut parts, &stream)?;
+    Ok(NormGrads {
+        dx,
+        dz,
+        parts,
+        programs,
+    })
 }

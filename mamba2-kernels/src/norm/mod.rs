@@ -32,7 +32,9 @@
 //! the sum `s = x + residual` is taken by candle ops in the compute type (f32; f64 for f64 x),
 //! `y` is a recorded RMSNorm op on `(s, weight)` converted to x's dtype, and the new residual is
 //! `s` converted to its dtype. These are the fused op's values: it too normalises the unrounded
-//! sum. The backwards run on the CPU only (no CUDA backward yet).
+//! sum. The backwards run on the device of their inputs: on the CPU, or on CUDA, where the
+//! kernels' per-program partial sums of dweight are added up in f32 by candle before they take the
+//! weight's dtype.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -101,6 +103,10 @@ impl CustomOp3 for GatedRmsNorm {
     }
 
     fn bwd(&self, x: &Tensor, z: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Grads3> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return cuda_grads(x, Some(z), w, dy, self.group_size, self.eps);
+        }
         if wide(x.dtype()) {
             self.grads::<f64>(x, z, w, dy)
         } else {
@@ -131,6 +137,49 @@ impl GatedRmsNorm {
         let (dx, dz, dw) = cpu::gated_rms_norm_backward(&xv, &zv, &wv, &dyv, self.group_size, eps);
         Ok((gradient(dx, x)?, gradient(dz, z)?, gradient(dw, w)?))
     }
+}
+
+/// The CUDA backward of the gated norm (with `z`) or of the RMSNorm of whole rows (without):
+/// the gradients of x, z and the weight, each `None` when its tensor tracks no gradient.
+#[cfg(feature = "cuda")]
+fn cuda_grads(
+    x: &Tensor,
+    z: Option<&Tensor>,
+    w: &Tensor,
+    dy: &Tensor,
+    group: usize,
+    eps: f32,
+) -> Result<Grads3> {
+    use crate::cuda::{tensor, Held};
+    let op = if z.is_some() {
+        "gated_rms_norm"
+    } else {
+        "add_rms_norm"
+    };
+    let dy = dy.contiguous()?;
+    let [xh, wh, dyh] = [x, w, &dy].map(Held::new);
+    let zh = z.map(Held::new);
+    let g = cuda::rms_norm_bwd(
+        xh.arg(op, "x")?,
+        zh.as_ref().map(|h| h.arg(op, "z")).transpose()?,
+        wh.arg(op, "weight")?,
+        dyh.arg(op, "output gradient")?,
+        group,
+        eps,
+    )?;
+    let dim = w.elem_count();
+    let dx = x.track_op().then(|| tensor(g.dx, x.shape()));
+    let dz = match (z, g.dz) {
+        (Some(z), Some(dz)) if z.track_op() => Some(tensor(dz, z.shape())),
+        _ => None,
+    };
+    let dw = if w.track_op() {
+        let sums = tensor(g.parts, (g.programs, dim)).sum(0)?;
+        Some(sums.to_dtype(w.dtype())?.reshape(w.shape())?)
+    } else {
+        None
+    };
+    Ok((dx, dz, dw))
 }
 
 /// The RMSNorm of whole rows on `(v, weight)` of one dtype: the gated norm without the gate, and
@@ -180,6 +229,12 @@ impl CustomOp2 for RmsNorm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if v.device().is_cuda() {
+            let dim = w.elem_count();
+            let (dv, _, dw) = cuda_grads(v, None, w, dy, dim, self.eps)?;
+            return Ok((dv, dw));
+        }
         if wide(v.dtype()) {
             self.grads::<f64>(v, w, dy)
         } else {

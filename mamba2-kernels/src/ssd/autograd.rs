@@ -14,10 +14,15 @@
 //! [`super::ssd`] cuts and converts to x's dtype and the state dtype. The packing and the cuts
 //! are candle's own `flatten`, `cat`, `narrow`, `reshape` and `to_dtype`, so the gradients reach
 //! the caller's tensors and every `Var` behind them (e.g. `A_log` through `a = −exp(A_log)`).
-//! The backward ([`super::grad`]) runs on the CPU; inference never takes this path.
+//! On the CPU the backward is [`super::grad`]. On CUDA the same packed arguments feed two ops, y
+//! in x's dtype and the final state in the state dtype (z's gate is applied after them by candle
+//! ops), whose backward is the CUDA kernels' (`super::cuda::ssd_backward`). Inference never
+//! takes this path.
 
 use std::any::Any;
 use std::borrow::Cow;
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
@@ -270,7 +275,7 @@ impl CustomOp3 for SsdGrad {
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         if !values.device().is_cpu() {
-            bail!("ssd: the backward runs on the CPU; no CUDA backward kernels yet")
+            bail!("ssd: the recorded op of the CPU got tensors on another device")
         }
         let args = (values, dt, params);
         let (dv, dd, dp) = if wide(values.dtype()) {
@@ -289,6 +294,19 @@ pub(super) fn ssd(
     opts: &SsdOptions,
     dims: SsdDims,
 ) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let values = Tensor::cat(&[x.flatten_all()?, b.flatten_all()?, c.flatten_all()?], 0)?;
+        let held = |t: &Tensor| t.detach().contiguous();
+        let parts = (held(x)?, held(b)?, held(c)?);
+        let (y, last) = on_cuda(&values, (dt, a), parts, opts, dims, false)?;
+        // The gate as candle ops, which differentiate it.
+        let y = match opts.z {
+            Some(z) => (y * z.silu()?)?,
+            None => y,
+        };
+        return Ok((y, last));
+    }
     let mut values = vec![x.flatten_all()?, b.flatten_all()?, c.flatten_all()?];
     if let Some(z) = opts.z {
         values.push(z.flatten_all()?);
@@ -304,7 +322,23 @@ pub(super) fn ssd_xbc(
     opts: &SsdOptions,
     dims: SsdDims,
 ) -> Result<(Tensor, Tensor)> {
-    recorded(&xbc.contiguous()?, (dt, a), opts, dims, true)
+    let xbc = xbc.contiguous()?;
+    #[cfg(feature = "cuda")]
+    if xbc.device().is_cuda() {
+        let (hp, gn) = (dims.nheads * dims.headdim, dims.ngroups * dims.dstate);
+        let (bl, l) = (dims.batch, dims.seqlen);
+        let cut = |start: usize, len: usize, shape: (usize, usize, usize, usize)| {
+            xbc.detach()
+                .narrow(2, start, len)?
+                .reshape(shape)?
+                .contiguous()
+        };
+        let x = cut(0, hp, (bl, l, dims.nheads, dims.headdim))?;
+        let b = cut(hp, gn, (bl, l, dims.ngroups, dims.dstate))?;
+        let c = cut(hp + gn, gn, (bl, l, dims.ngroups, dims.dstate))?;
+        return on_cuda(&xbc, (dt, a), (x, b, c), opts, dims, true);
+    }
+    recorded(&xbc, (dt, a), opts, dims, true)
 }
 
 /// Runs the recorded op on `values` (flat, or xbc `rows`) and the packed parameters, and cuts
@@ -318,25 +352,12 @@ fn recorded(
 ) -> Result<(Tensor, Tensor)> {
     if !values.device().is_cpu() {
         bail!(
-            "ssd: gradients are computed on the CPU for now (no CUDA backward kernels yet); \
-             detach the inputs to run the forward on {:?}",
+            "ssd: gradients are computed on the CPU and on CUDA, not on {:?}",
             values.device().location()
         )
     }
-    let pt = param_dtype(values);
     let h = dims.nheads;
-    let bias = match opts.dt.bias {
-        Some(t) => t.to_dtype(pt)?,
-        None => Tensor::zeros(h, pt, values.device())?,
-    };
-    let mut params = vec![a.to_dtype(pt)?, bias];
-    if let Some(d) = opts.d {
-        params.push(d.flatten_all()?.to_dtype(pt)?);
-    }
-    // The initial state as the forward reads it: rounded to the state dtype.
-    if let Some(s) = opts.initial_state {
-        params.push(s.to_dtype(opts.state_dtype)?.to_dtype(pt)?.flatten_all()?);
-    }
+    let params = packed_params(values, a, opts, h)?;
     let op = SsdGrad {
         dims,
         chunk: opts.chunk_size,
@@ -349,7 +370,7 @@ fn recorded(
         kept: KeptSlot::default(),
     };
     let parts = op.parts();
-    let out = values.apply_op3(&dt.contiguous()?, &Tensor::cat(&params, 0)?, op)?;
+    let out = values.apply_op3(&dt.contiguous()?, &params, op)?;
     let y = out
         .narrow(0, 0, parts.x)?
         .reshape((dims.batch, dims.seqlen, h, dims.headdim))?
@@ -359,4 +380,373 @@ fn recorded(
         .reshape((dims.batch, h, dims.headdim, dims.dstate))?
         .to_dtype(opts.state_dtype)?;
     Ok((y, last))
+}
+
+/// The packed parameters `[a | dt_bias | D | initial state]` in the parameter dtype; a missing
+/// bias is zeros, and the initial state is rounded to the state dtype as the forward reads it.
+fn packed_params(values: &Tensor, a: &Tensor, opts: &SsdOptions, h: usize) -> Result<Tensor> {
+    let pt = param_dtype(values);
+    let bias = match opts.dt.bias {
+        Some(t) => t.to_dtype(pt)?,
+        None => Tensor::zeros(h, pt, values.device())?,
+    };
+    let mut params = vec![a.to_dtype(pt)?, bias];
+    if let Some(d) = opts.d {
+        params.push(d.flatten_all()?.to_dtype(pt)?);
+    }
+    if let Some(s) = opts.initial_state {
+        params.push(s.to_dtype(opts.state_dtype)?.to_dtype(pt)?.flatten_all()?);
+    }
+    Tensor::cat(&params, 0)
+}
+
+/// The recorded SSD on CUDA: two ops on the packed `(values, dt, params)` of the CPU form, one
+/// returning y (x's dtype), the other the final state (the state dtype), each with its own
+/// backward — candle ops return one tensor, and a gradient reaching only one of them costs only
+/// its share. The forward (in the first op) reads the detached tensors both hold: x, b and c
+/// contiguous (cut from xbc's rows by the caller), the parameters; the packed arguments route
+/// the gradients.
+#[cfg(feature = "cuda")]
+fn on_cuda(
+    values: &Tensor,
+    (dt, a): (&Tensor, &Tensor),
+    (x, b, c): (Tensor, Tensor, Tensor),
+    opts: &SsdOptions,
+    dims: SsdDims,
+    rows: bool,
+) -> Result<(Tensor, Tensor)> {
+    let params = packed_params(values, a, opts, dims.nheads)?;
+    let held = Arc::new(CudaHeld {
+        x,
+        b,
+        c,
+        dt: crate::check::rows_view(&dt.detach())?,
+        a: a.detach().to_dtype(DType::F32)?.contiguous()?,
+        bias: opts
+            .dt
+            .bias
+            .map(|t| t.detach().to_dtype(DType::F32)?.contiguous())
+            .transpose()?,
+        d: opts
+            .d
+            .map(|t| t.detach().to_dtype(DType::F32)?.contiguous())
+            .transpose()?,
+        init: opts
+            .initial_state
+            .map(|s| s.detach().to_dtype(opts.state_dtype)?.contiguous())
+            .transpose()?,
+        rule: opts.dt.rule(),
+        dims,
+        chunk: opts.chunk_size,
+        state_dtype: opts.state_dtype,
+        rows,
+        last: Mutex::new(None),
+    });
+    let dt_arg = dt.contiguous()?;
+    let y = values.apply_op3(&dt_arg, &params, SsdCuda(held.clone()))?;
+    let last = values.apply_op3(&dt_arg, &params, SsdLast(held))?;
+    Ok((y, last))
+}
+
+/// What the CUDA ops hold: the forward's inputs, detached, and the final state the first op's
+/// forward leaves for the second.
+#[cfg(feature = "cuda")]
+struct CudaHeld {
+    x: Tensor,
+    b: Tensor,
+    c: Tensor,
+    dt: Tensor,
+    a: Tensor,
+    bias: Option<Tensor>,
+    d: Option<Tensor>,
+    init: Option<Tensor>,
+    rule: DtRule,
+    dims: SsdDims,
+    chunk: usize,
+    state_dtype: DType,
+    rows: bool,
+    last: Mutex<Option<candle_core::CudaStorage>>,
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for CudaHeld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaHeld")
+            .field("dims", &self.dims)
+            .finish()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CudaHeld {
+    fn forward(&self) -> Result<candle_core::CudaStorage> {
+        let (xs, xl) = self.x.storage_and_layout();
+        let (bs, bl) = self.b.storage_and_layout();
+        let (cs, cl) = self.c.storage_and_layout();
+        let (
+            candle_core::Storage::Cuda(xs),
+            candle_core::Storage::Cuda(bs),
+            candle_core::Storage::Cuda(cs),
+        ) = (&*xs, &*bs, &*cs)
+        else {
+            bail!("ssd: x, b and c must be on one CUDA device")
+        };
+        let fused = super::cuda::Fused {
+            x: (xs, xl),
+            b: (bs, bl),
+            c: (cs, cl),
+            dt: &self.dt,
+            a: &self.a,
+            dt_bias: self.bias.as_ref(),
+            d: self.d.as_ref(),
+            z: None,
+            init: self.init.as_ref(),
+            rule: self.rule,
+            dims: self.dims,
+            chunk_size: self.chunk,
+            state_dtype: self.state_dtype,
+        };
+        let (y, last) = super::cuda::ssd(&fused)?;
+        match self.last.lock() {
+            Ok(mut slot) => *slot = Some(last),
+            Err(_) => bail!("ssd: final state slot poisoned"),
+        }
+        Ok(y)
+    }
+
+    /// The gradients of the packed `(values, dt, params)` from those of y and of the final state.
+    fn grads(
+        &self,
+        (values, params): (&Tensor, &Tensor),
+        dy: Option<&Tensor>,
+        dlast: Option<&Tensor>,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = self.dims;
+        let dy = match dy {
+            Some(g) => g.to_dtype(self.x.dtype())?.contiguous()?,
+            None => self.x.zeros_like()?,
+        };
+        let dlast = dlast
+            .map(|g| g.to_dtype(DType::F32)?.contiguous())
+            .transpose()?;
+        let rule = self.rule;
+        let back = super::cuda::Backward {
+            x: &self.x,
+            b: &self.b,
+            c: &self.c,
+            dt: &self.dt,
+            a: &self.a,
+            dt_opts: crate::DtOptions {
+                bias: self.bias.as_ref(),
+                softplus: rule.softplus,
+                limit: rule.limit,
+            },
+            d: self.d.as_ref(),
+            init: self.init.as_ref(),
+            dy: &dy,
+            dlast: dlast.as_ref(),
+            dims: d,
+            state_dtype: self.state_dtype,
+        };
+        let g = super::cuda::ssd_backward(&back)?;
+        let vt = values.dtype();
+        let (bl, l) = (d.batch, d.seqlen);
+        let (hp, gn) = (d.nheads * d.headdim, d.ngroups * d.dstate);
+        let dvalues = if self.rows {
+            Tensor::cat(
+                &[
+                    g.x.reshape((bl, l, hp))?.to_dtype(vt)?,
+                    g.b.reshape((bl, l, gn))?.to_dtype(vt)?,
+                    g.c.reshape((bl, l, gn))?.to_dtype(vt)?,
+                ],
+                2,
+            )?
+        } else {
+            Tensor::cat(
+                &[
+                    g.x.flatten_all()?.to_dtype(vt)?,
+                    g.b.flatten_all()?.to_dtype(vt)?,
+                    g.c.flatten_all()?.to_dtype(vt)?,
+                ],
+                0,
+            )?
+        };
+        let mut dparams = vec![g.a, g.bias];
+        if let Some(dd) = g.d {
+            dparams.push(dd.flatten_all()?);
+        }
+        if let Some(di) = g.init {
+            dparams.push(di.flatten_all()?);
+        }
+        let dparams = Tensor::cat(&dparams, 0)?.to_dtype(params.dtype())?;
+        Ok((Some(dvalues), Some(g.dt), Some(dparams)))
+    }
+}
+
+/// y of the recorded SSD on CUDA.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+struct SsdCuda(Arc<CudaHeld>);
+
+/// The final state of the recorded SSD on CUDA, left by [`SsdCuda`]'s forward.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+struct SsdLast(Arc<CudaHeld>);
+
+#[cfg(feature = "cuda")]
+impl CustomOp3 for SsdCuda {
+    fn name(&self) -> &'static str {
+        "ssd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("ssd: the recorded op of CUDA got CPU tensors")
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = self.0.dims;
+        let y = self.0.forward()?;
+        Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
+    }
+
+    fn bwd(
+        &self,
+        values: &Tensor,
+        _dt: &Tensor,
+        params: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.0.grads((values, params), Some(grad_res), None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CustomOp3 for SsdLast {
+    fn name(&self) -> &'static str {
+        "ssd_final_state"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("ssd: the recorded op of CUDA got CPU tensors")
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = self.0.dims;
+        let last = match self.0.last.lock() {
+            Ok(mut slot) => slot.take(),
+            Err(_) => bail!("ssd: final state slot poisoned"),
+        };
+        match last {
+            Some(s) => Ok((s, Shape::from((d.batch, d.nheads, d.headdim, d.dstate)))),
+            None => bail!("ssd: the final state was taken before the forward ran"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        values: &Tensor,
+        _dt: &Tensor,
+        params: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.0.grads((values, params), None, Some(grad_res))
+    }
+}
+
+/// [`super::ssd_backward`] on the CPU: the recorded op's backward on the packed inputs, cut back
+/// into the inputs' shapes and dtypes.
+pub(super) fn backward_cpu(
+    (x, dt, a, b, c): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    opts: &SsdOptions,
+    dims: SsdDims,
+    (dy, dlast): (&Tensor, Option<&Tensor>),
+) -> Result<super::SsdGrads> {
+    let values = Tensor::cat(&[x.flatten_all()?, b.flatten_all()?, c.flatten_all()?], 0)?;
+    let params = packed_params(&values, a, opts, dims.nheads)?;
+    let op = SsdGrad {
+        dims,
+        chunk: opts.chunk_size,
+        rule: opts.dt.rule(),
+        state_dtype: opts.state_dtype,
+        has_z: false,
+        d_len: opts.d.map_or(0, Tensor::elem_count),
+        has_init: opts.initial_state.is_some(),
+        rows: false,
+        kept: KeptSlot::default(),
+    };
+    let parts = op.parts();
+    let ct = param_dtype(&values);
+    let dlast = match dlast {
+        Some(g) => g.to_dtype(ct)?.flatten_all()?,
+        None => Tensor::zeros(parts.pn, ct, x.device())?,
+    };
+    let grad_out = Tensor::cat(&[dy.to_dtype(ct)?.flatten_all()?, dlast], 0)?;
+    let (dv, ddt, dp) = if wide(values.dtype()) {
+        op.bwd_in::<f64>((&values, &dt.contiguous()?, &params), &grad_out)?
+    } else {
+        op.bwd_in::<f32>((&values, &dt.contiguous()?, &params), &grad_out)?
+    };
+    let h = dims.nheads;
+    let cut = |t: &Tensor, start: usize, len: usize, like: &Tensor| -> Result<Tensor> {
+        t.narrow(0, start, len)?
+            .reshape(like.shape())?
+            .to_dtype(like.dtype())
+    };
+    let (px, bc) = (parts.x, parts.bc);
+    let pf = ct;
+    let d_len = op.d_len;
+    Ok(super::SsdGrads {
+        x: cut(&dv, 0, px, x)?,
+        b: cut(&dv, px, bc, b)?,
+        c: cut(&dv, px + bc, bc, c)?,
+        dt: ddt,
+        a: dp.narrow(0, 0, h)?.to_dtype(pf)?,
+        dt_bias: dp.narrow(0, h, h)?.to_dtype(pf)?,
+        d: opts
+            .d
+            .map(|d| dp.narrow(0, 2 * h, d_len)?.reshape(d.shape())?.to_dtype(pf))
+            .transpose()?,
+        initial_state: opts
+            .initial_state
+            .map(|s| {
+                dp.narrow(0, 2 * h + d_len, parts.pn)?
+                    .reshape(s.shape())?
+                    .to_dtype(pf)
+            })
+            .transpose()?,
+    })
 }

@@ -20,7 +20,8 @@
 //! Gradients: when any input takes part in one (`Tensor::track_op`), `ssd` runs as an op candle
 //! records (`autograd`), whose backward (`grad`) gives the gradients of x, dt (through dt_bias,
 //! softplus and the dt_limit clamp), a, b, c, D, z and the initial state, from those of y and the
-//! final state; it runs on the CPU. Otherwise:
+//! final state; it runs on the CPU and on CUDA (the `bwd_*` kernels, at chunks of 64 tokens
+//! whatever the forward's), and [`ssd_backward`] is the same backward without autograd. Otherwise:
 //! on the CPU `ssd` runs the three stages' functions (`cpu`); on CUDA one launcher queues the
 //! kernels of all three back to back (`cuda`: stage 1 inside the state pass's first kernel where
 //! it pays, the intermediates in scratch memory kept per stream), so that a call spends little
@@ -279,6 +280,128 @@ pub fn ssd(
     let last_shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
     let last = op.final_state.take("ssd", "final state", last_shape)?;
     Ok((y, last))
+}
+
+/// The gradients of [`ssd`]'s inputs that [`ssd_backward`] returns: x, dt, b and c in their
+/// dtypes, a and dt_bias `[H]` (dt_bias's also when the call had none: the gradient of a zero
+/// bias), D in its shape and the initial state `[B,H,P,N]`, each when the call had one; the
+/// parameters' gradients are f32 (f64 for f64 values on the CPU).
+#[derive(Debug)]
+pub struct SsdGrads {
+    pub x: Tensor,
+    pub dt: Tensor,
+    pub a: Tensor,
+    pub b: Tensor,
+    pub c: Tensor,
+    pub dt_bias: Tensor,
+    pub d: Option<Tensor>,
+    pub initial_state: Option<Tensor>,
+}
+
+/// The backward of [`ssd`] without autograd: the gradients of every input given `dy`, the
+/// gradient of y (`[B,L,H,P]`), and `dlast`, that of the final state (`[B,H,P,N]`; `None`: zero),
+/// for callers that run their own backward pass (as mamba_ssm's `_mamba_chunk_scan_combined_bwd`
+/// serves PyTorch). The gate is not part of it: `opts.z` must be `None` (apply `y·silu(z)`
+/// outside, or call [`ssd`] on tensors that record gradients). On CUDA it is the backward
+/// kernels that candle's autograd runs for [`ssd`]; on the CPU the same code as its CPU backward.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use mamba2_kernels::{ssd, ssd_backward, SsdOptions};
+///
+/// let dev = Device::Cpu;
+/// let (b, l, h, p, g, n) = (1, 20, 2, 4, 1, 8);
+/// let x = Tensor::randn(0f32, 1.0, (b, l, h, p), &dev)?;
+/// let dt = Tensor::rand(0.1f32, 0.5, (b, l, h), &dev)?;
+/// let a = Tensor::new(&[-1f32, -2.0], &dev)?;
+/// let bm = Tensor::randn(0f32, 1.0, (b, l, g, n), &dev)?;
+/// let cm = Tensor::randn(0f32, 1.0, (b, l, g, n), &dev)?;
+/// let opts = SsdOptions { chunk_size: 16, ..Default::default() };
+/// let dy = Tensor::ones((b, l, h, p), candle_core::DType::F32, &dev)?;
+/// let grads = ssd_backward(&x, &dt, &a, &bm, &cm, &opts, &dy, None)?;
+///
+/// // The same gradient as autograd's.
+/// let xv = candle_core::Var::from_tensor(&x)?;
+/// let (y, _) = ssd(xv.as_tensor(), &dt, &a, &bm, &cm, &opts)?;
+/// let auto = y.sum_all()?.backward()?;
+/// let dx = auto.get(xv.as_tensor()).expect("x's gradient");
+/// let err = (dx - &grads.x)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(err < 1e-5, "{err}");
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn ssd_backward(
+    x: &Tensor,
+    dt: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: &SsdOptions,
+    dy: &Tensor,
+    dlast: Option<&Tensor>,
+) -> Result<SsdGrads> {
+    let op = "ssd_backward";
+    let dims = checked((x, dt, a, b, c), opts)?;
+    if opts.z.is_some() {
+        bail!("{op}: differentiates the scan without its gate: opts.z must be None (apply y·silu(z) outside, or call ssd on tensors that record gradients)")
+    }
+    dims.like_x(op, "dy", dy, x)?;
+    check::float(op, "dy", dy)?;
+    if let Some(g) = dlast {
+        dims.state(op, "dlast", g, x)?;
+        check::float(op, "dlast", g)?;
+    }
+    let plain = |t: &Tensor| t.detach();
+    let (x, dt, a, b, c, dy) = (plain(x), plain(dt), plain(a), plain(b), plain(c), plain(dy));
+    let dlast = dlast.map(plain);
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let held = |t: &Tensor| t.contiguous();
+        let init = opts
+            .initial_state
+            .map(|s| s.detach().to_dtype(opts.state_dtype)?.contiguous())
+            .transpose()?;
+        let f32s = |t: Option<&Tensor>| {
+            t.map(|t| t.detach().to_dtype(DType::F32)?.contiguous())
+                .transpose()
+        };
+        let (bias, dskip) = (f32s(opts.dt.bias)?, f32s(opts.d)?);
+        let dlast = dlast
+            .map(|g| g.to_dtype(DType::F32)?.contiguous())
+            .transpose()?;
+        let (xc, bc, cc) = (held(&x)?, held(&b)?, held(&c)?);
+        let dyc = dy.to_dtype(x.dtype())?.contiguous()?;
+        let af = a.to_dtype(DType::F32)?.contiguous()?;
+        let g = cuda::ssd_backward(&cuda::Backward {
+            x: &xc,
+            b: &bc,
+            c: &cc,
+            dt: &check::rows_view(&dt)?,
+            a: &af,
+            dt_opts: DtOptions {
+                bias: bias.as_ref(),
+                softplus: opts.dt.softplus,
+                limit: opts.dt.limit,
+            },
+            d: dskip.as_ref(),
+            init: init.as_ref(),
+            dy: &dyc,
+            dlast: dlast.as_ref(),
+            dims,
+            state_dtype: opts.state_dtype,
+        })?;
+        return Ok(SsdGrads {
+            x: g.x,
+            dt: g.dt,
+            a: g.a,
+            b: g.b.to_dtype(x.dtype())?,
+            c: g.c.to_dtype(x.dtype())?,
+            dt_bias: g.bias,
+            d: g.d,
+            initial_state: g.init,
+        });
+    }
+    autograd::backward_cpu((&x, &dt, &a, &b, &c), opts, dims, (&dy, dlast.as_ref()))
 }
 
 /// The dimensions of an `ssd` call, after every check of its inputs.

@@ -2,8 +2,14 @@
 //! three stages itself (no candle op between them) with stage 1's step sizes and the chunk states
 //! in the stream's scratch buffer. One launcher per `.cu` file of `kernels/ssd/`:
 //! [`chunk_cumsum`](mod@chunk_cumsum), [`fwd_pass_state`](mod@fwd_pass_state) (the state pass)
-//! and [`compute_out`](mod@compute_out); their parameters in [`params`].
+//! and [`compute_out`](mod@compute_out); their parameters in [`params`]. The backward,
+//! [`ssd_backward`], runs stage 1 and the state pass again at its own chunk of 64 tokens, then the
+//! three backward kernels' launchers: [`bwd_pass_state`](mod@bwd_pass_state),
+//! [`bwd_compute_out`](mod@bwd_compute_out) and [`bwd_chunk_cumsum`](mod@bwd_chunk_cumsum).
 
+mod bwd_chunk_cumsum;
+mod bwd_compute_out;
+mod bwd_pass_state;
 mod chunk_cumsum;
 mod compute_out;
 mod fwd_pass_state;
@@ -14,12 +20,16 @@ pub(super) mod timeline;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
+use self::bwd_chunk_cumsum::launch_bwd_stage1;
+use self::bwd_compute_out::{launch_bwd_out, BwdOutPtrs};
+use self::bwd_pass_state::{bwd_state_pass, BwdStatePtrs, TOKENS};
 use self::compute_out::{out_pass, OutPtrs};
 use self::fwd_pass_state::{state_pass, PassPtrs, RawSteps};
 use self::params::{SsdParams, SsdSteps};
 use crate::check::SsdDims;
-use crate::cuda::{alloc, opt_ptr, ptr, rows_ptr, scratch, ty, written, Guards, Held};
+use crate::cuda::{alloc, opt_ptr, ptr, rows_ptr, scratch, ty, written, zeroed, Guards, Held};
 use crate::dt::DtRule;
+use crate::DtOptions;
 
 /// A candle argument of an op: its storage and layout.
 pub(crate) type Input<'a> = (&'a CudaStorage, &'a Layout);
@@ -244,4 +254,210 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage)> {
     written(&mut y, &stream)?;
     written(&mut last, &stream)?;
     Ok((y, last))
+}
+
+/// The backward's inputs: the forward's tensors (x, b and c contiguous in the value type, `init`
+/// in the state dtype) and the gradients of y (`dy`, contiguous, the value type) and of the final
+/// state (`dlast` f32, `None`: zero).
+pub(crate) struct Backward<'a> {
+    pub x: &'a Tensor,
+    pub b: &'a Tensor,
+    pub c: &'a Tensor,
+    pub dt: &'a Tensor,
+    pub a: &'a Tensor,
+    pub dt_opts: DtOptions<'a>,
+    pub d: Option<&'a Tensor>,
+    pub init: Option<&'a Tensor>,
+    pub dy: &'a Tensor,
+    pub dlast: Option<&'a Tensor>,
+    pub dims: SsdDims,
+    pub state_dtype: DType,
+}
+
+/// The gradients of [`Backward`]'s inputs: x in its type, b and c `[B,L,G,N]` f32, raw dt in its
+/// type, a and dt_bias `[H]` f32, D in its shape f32, the initial state `[B,H,P,N]` f32.
+pub(crate) struct BackwardGrads {
+    pub x: Tensor,
+    pub b: Tensor,
+    pub c: Tensor,
+    pub dt: Tensor,
+    pub a: Tensor,
+    pub bias: Tensor,
+    pub d: Option<Tensor>,
+    pub init: Option<Tensor>,
+}
+
+/// The SSD backward on CUDA. Stage 1 and the chunk states are computed again at chunks of
+/// [`TOKENS`] (the SSD's results do not depend on the chunk, and the kernels' tiles are sized for
+/// it); then the state gradients (bwd_pass_state), each chunk's gradients (bwd_compute_out) and
+/// the dt processing's (bwd_chunk_cumsum).
+pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
+    let name = "ssd backward";
+    let d = op.dims;
+    let (dt_out, da) = super::stages::chunk_cumsum(op.dt, op.a, &op.dt_opts, TOKENS)?;
+    let states =
+        super::stages::fwd_pass_state(op.x, op.b, &dt_out, &da, op.init, TOKENS, op.state_dtype)?;
+    let dev = op.x.device().as_cuda_device()?;
+    let stream = dev.cuda_stream();
+    let (vt, st) = (ty(name, op.x.dtype())?, ty(name, op.state_dtype)?);
+    let nch = d.nchunks(TOKENS);
+    let (bh, pn) = (d.batch * d.nheads, d.headdim * d.dstate);
+    let bl = d.batch * d.seqlen;
+    let p = SsdParams::new(&d, TOKENS)?;
+    let contiguous = |n: usize| Layout::contiguous(n);
+    let held = |t: &'_ Tensor| -> Result<Tensor> { t.contiguous() };
+    let (x, b, c, dy) = (held(op.x)?, held(op.b)?, held(op.c)?, held(op.dy)?);
+    let (hx, hb, hc, hdy) = (Held::new(&x), Held::new(&b), Held::new(&c), Held::new(&dy));
+    let (hdt, hda, hstates) = (Held::new(&dt_out), Held::new(&da), Held::new(&states));
+    let (ha, hd) = (Held::new(op.a), op.d.map(Held::new));
+    let hlast = op.dlast.map(Held::new);
+    let (hbias, dt_s) = (op.dt_opts.bias.map(Held::new), Held::new(op.dt));
+    let mut guards = Guards::new();
+
+    let mut dstates = alloc(dev, op.state_dtype, bh * nch * pn)?;
+    let mut dinit = op
+        .init
+        .map(|_| alloc(dev, DType::F32, bh * pn))
+        .transpose()?;
+    let q = BwdStatePtrs {
+        dy: hdy.ptr(name, "dy", &stream, &mut guards)?,
+        c: hc.ptr(name, "c", &stream, &mut guards)?,
+        da: hda.ptr(name, "da_cumsum", &stream, &mut guards)?,
+        dlast: opt_ptr(name, "final state gradient", &hlast, &stream, &mut guards)?,
+        dstates: ptr(
+            name,
+            "dstates",
+            &dstates,
+            &contiguous(bh * nch * pn),
+            &stream,
+        )?
+        .0,
+        dinit: match &dinit {
+            Some(s) => ptr(name, "dinit", s, &contiguous(bh * pn), &stream)?.0,
+            None => 0,
+        },
+    };
+    bwd_state_pass(&p, (vt, st), &q, &stream)?;
+
+    let gn = d.ngroups * d.dstate;
+    let shared = d.heads_per_group() > 1;
+    let group_grad = |len| {
+        if shared {
+            zeroed(dev, DType::F32, len)
+        } else {
+            alloc(dev, DType::F32, len)
+        }
+    };
+    let mut dx = alloc(dev, op.x.dtype(), bl * d.nheads * d.headdim)?;
+    let (mut db, mut dc) = (group_grad(bl * gn)?, group_grad(bl * gn)?);
+    let mut ddt = alloc(dev, DType::F32, bh * d.seqlen)?;
+    let mut da_part = alloc(dev, DType::F32, bh * nch)?;
+    let d_len = d.nheads * d.headdim;
+    let mut dd = op.d.map(|_| zeroed(dev, DType::F32, d_len)).transpose()?;
+    let mut p_out = p;
+    p_out.d_per_channel = op.d.is_some_and(|t| t.rank() == 2) as i32;
+    let q = BwdOutPtrs {
+        x: hx.ptr(name, "x", &stream, &mut guards)?,
+        dy: q.dy,
+        b: hb.ptr(name, "b", &stream, &mut guards)?,
+        c: q.c,
+        dt: hdt.ptr(name, "dt_out", &stream, &mut guards)?,
+        da: q.da,
+        states: hstates.ptr(name, "states", &stream, &mut guards)?,
+        dstates: q.dstates,
+        dskip: opt_ptr(name, "D", &hd, &stream, &mut guards)?,
+        a: ha.ptr(name, "a", &stream, &mut guards)?,
+        dx: ptr(
+            name,
+            "dx",
+            &dx,
+            &contiguous(bl * d.nheads * d.headdim),
+            &stream,
+        )?
+        .0,
+        db: ptr(name, "db", &db, &contiguous(bl * gn), &stream)?.0,
+        dc: ptr(name, "dc", &dc, &contiguous(bl * gn), &stream)?.0,
+        ddt: ptr(name, "ddt", &ddt, &contiguous(bh * d.seqlen), &stream)?.0,
+        da_part: ptr(name, "da_part", &da_part, &contiguous(bh * nch), &stream)?.0,
+        dd: match &dd {
+            Some(s) => ptr(name, "dd", s, &contiguous(d_len), &stream)?.0,
+            None => 0,
+        },
+    };
+    launch_bwd_out(&p_out, (vt, st), &q, &stream)?;
+
+    let (dt_raw, dt_stride, g) =
+        rows_ptr(name, "dt", dt_s.cuda(name, "dt")?, dt_s.layout, &stream)?;
+    guards.push(g);
+    let steps = SsdSteps::new(
+        op.dt_opts.rule(),
+        (dt_raw, dt_stride),
+        q.a,
+        opt_ptr(name, "dt_bias", &hbias, &stream, &mut guards)?,
+        0,
+    );
+    let dt_type = op.dt.dtype();
+    let mut ddt_raw = alloc(dev, dt_type, bl * d.nheads)?;
+    let mut dbias = zeroed(dev, DType::F32, d.nheads)?;
+    let ptrs = (
+        q.ddt,
+        ptr(
+            name,
+            "ddt_raw",
+            &ddt_raw,
+            &contiguous(bl * d.nheads),
+            &stream,
+        )?
+        .0,
+        ptr(name, "dbias", &dbias, &contiguous(d.nheads), &stream)?.0,
+    );
+    launch_bwd_stage1(&p, &steps, ty(name, dt_type)?, ptrs, &stream)?;
+    drop(guards);
+
+    for s in [
+        &mut dstates,
+        &mut dx,
+        &mut db,
+        &mut dc,
+        &mut ddt,
+        &mut da_part,
+    ] {
+        written(s, &stream)?;
+    }
+    for s in [&mut dinit, &mut dd].into_iter().flatten() {
+        written(s, &stream)?;
+    }
+    written(&mut ddt_raw, &stream)?;
+    written(&mut dbias, &stream)?;
+    let wrap = |s: CudaStorage, shape: Shape| {
+        Tensor::from_storage(
+            candle_core::Storage::Cuda(s),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    };
+    let (bsz, l, h, pd, g, n) = (d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate);
+    let a_grad = wrap(da_part, Shape::from((bsz, h, nch))).sum((0, 2))?;
+    let d_grad = match (dd, op.d) {
+        (Some(s), Some(t)) => {
+            let per_channel = wrap(s, Shape::from((h, pd)));
+            Some(if t.rank() == 2 {
+                per_channel
+            } else {
+                per_channel.sum(1)?
+            })
+        }
+        _ => None,
+    };
+    Ok(BackwardGrads {
+        x: wrap(dx, Shape::from((bsz, l, h, pd))),
+        b: wrap(db, Shape::from((bsz, l, g, n))),
+        c: wrap(dc, Shape::from((bsz, l, g, n))),
+        dt: wrap(ddt_raw, Shape::from((bsz, l, h))),
+        a: a_grad,
+        bias: wrap(dbias, Shape::from(h)),
+        d: d_grad,
+        init: dinit.map(|s| wrap(s, Shape::from((bsz, h, pd, n)))),
+    })
 }

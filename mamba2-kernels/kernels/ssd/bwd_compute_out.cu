@@ -1,0 +1,316 @@
+// The backward of compute_out: every chunk's gradients, given the states H entering it and the
+// gradients dH' of the states leaving it (bwd_pass_state). One program per (chunk of 64 tokens,
+// batch·head); tokens t, s of the chunk, d the log2-space cumulative sums, decay_ts =
+// exp2(d_t − d_s) for s ≤ t (0 above), S = C·Bᵀ, M = dY·Xᵀ, W = decay∘S·dt_s, A = decay∘M·dt_s,
+// r_s = exp2(d_last − d_s)·dt_s:
+//   dX = Wᵀ·dY + D·dY + diag(r)·B·dH'ᵀ        dB = Aᵀ·C + diag(r)·X·dH'
+//   dC = A·B + diag(exp2(d))·dY·H
+//   ddt_s = Σ_t decay_ts·S_ts·M_ts + exp2(d_last − d_s)·x_s·(dH' B_s) + a·q_s,   da = Σ_s dt_s·q_s
+//   q_r = Σ_{t≥r} exp2(d_t)·dy_t·(H C_t) + exp2(d_last)·⟨dH', H⟩ + Σ_{j<r} (col_j − row_j)
+//         + Σ_{s<r} r_s·x_s·(dH' B_s)
+// with col_j = dt_j·Σ_t decay_tj S_tj M_tj and row_t = Σ_s decay_ts S_ts M_ts dt_s: the pairs
+// (t ≥ r > s) that cross r, as an exclusive prefix sum whose diagonal terms cancel exactly.
+// The four warps own 16 rows each of every [64, ·] product; all tiles sit in shared memory,
+// zero-padded to multiples of 64 columns. Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
+// (summed over the group's heads by atomics when it has several); ddt [B,H,L] f32 (processed
+// dt); da_part [B,H,C] f32; dd [H,P] f32 (atomics; null without D).
+#include "params.cuh"
+#include "ssd/warp_tile.cuh"
+
+namespace {
+
+constexpr int TOKENS = 64, WARPS = 4, LDT = TOKENS + 8;
+
+struct Grads {
+  void* dx;
+  float* db;
+  float* dc;
+  float* ddt;
+  float* da_part;
+  float* dd;
+};
+
+template <typename T, typename S>
+__device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ dy,
+                                const T* __restrict__ bm, const T* __restrict__ cm,
+                                const float* __restrict__ dt_out, const float* __restrict__ da,
+                                const S* __restrict__ states, const S* __restrict__ dstates,
+                                const float* __restrict__ dskip, const float* __restrict__ a,
+                                const Grads& out, const m2::SsdParams& d) {
+  extern __shared__ unsigned char smem_raw[];
+  const int P = d.headdim, N = d.dstate, H = d.nheads, L = d.seqlen, G = d.ngroups;
+  const int pp = (P + 63) / 64 * 64, np = (N + 63) / 64 * 64;
+  const int ldp = pp + 8, ldn = np + 8;
+  T* xs = reinterpret_cast<T*>(m2::smem_aligned(smem_raw));
+  T* dys = xs + TOKENS * ldp;
+  T* bs = dys + TOKENS * ldp;
+  T* cs = bs + TOKENS * ldn;
+  T* hs = cs + TOKENS * ldn;
+  T* dhs = hs + pp * ldn;
+  T* ws = dhs + pp * ldn;
+  T* as = ws + TOKENS * LDT;
+  float* dts = reinterpret_cast<float*>(as + TOKENS * LDT);
+  float* gs = dts + TOKENS;
+  float* col = gs + TOKENS;
+  float* row = col + TOKENS;
+  float* xdhb = row + TOKENS;
+  float* dyhc = xdhb + TOKENS;
+  float* ddsum = dyhc + TOKENS;
+  float* red = ddsum + pp;
+
+  const int ci = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+  const int hpg = H / G, grp = h / hpg;
+  const int l0 = ci * TOKENS, tc = min(TOKENS, L - l0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
+  const int nch = d.nchunks;
+  m2::wait_prior_grid();
+
+  const size_t bhl = static_cast<size_t>(bh) * L;
+  for (int t = tid; t < TOKENS; t += threads) {
+    dts[t] = t < tc ? dt_out[bhl + l0 + t] : 0.f;
+    gs[t] = da[bhl + l0 + min(t, tc - 1)];
+    col[t] = 0.f;
+  }
+  for (int j = tid; j < pp; j += threads) ddsum[j] = 0.f;
+  const size_t tok = static_cast<size_t>(b) * L + l0;
+  const size_t xo = (tok * H + h) * P, xstride = static_cast<size_t>(H) * P;
+  const size_t bo = (tok * G + grp) * N, bstride = static_cast<size_t>(G) * N;
+  const size_t pn = static_cast<size_t>(P) * N;
+  m2::stage(xs, ldp, x + xo, xstride, tc, P, TOKENS, pp, tid, threads);
+  m2::stage(dys, ldp, dy + xo, xstride, tc, P, TOKENS, pp, tid, threads);
+  m2::stage(bs, ldn, bm + bo, bstride, tc, N, TOKENS, np, tid, threads);
+  m2::stage(cs, ldn, cm + bo, bstride, tc, N, TOKENS, np, tid, threads);
+  m2::stage(hs, ldn, states + (static_cast<size_t>(bh) * (nch + 1) + ci) * pn, N, P, N, pp, np,
+            tid, threads);
+  m2::stage(dhs, ldn, dstates + (static_cast<size_t>(bh) * nch + ci) * pn, N, P, N, pp, np, tid,
+            threads);
+  __syncthreads();
+
+  const int m0 = warp * 16;
+  const float g_last = gs[TOKENS - 1];
+  // S = C·Bᵀ and M = dY·Xᵀ, then W, A and the sums of decay∘S∘M.
+  {
+    float sacc[8][4], macc[8][4];
+    m2::zero(sacc);
+    m2::zero(macc);
+    m2::WarpTile<T, false, false, 8>::mma(sacc, cs, ldn, bs, ldn, m0, 0, np, lane);
+    m2::WarpTile<T, false, false, 8>::mma(macc, dys, ldp, xs, ldp, m0, 0, pp, lane);
+    float rz[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float cz[2] = {0.f, 0.f};
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = m0 + m2::acc_row(lane, 2 * half);
+        float wv[2], av[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int e = 2 * half + k, s = 8 * j + m2::acc_col(lane, e);
+          wv[k] = 0.f;
+          av[k] = 0.f;
+          if (s <= t && t < tc) {
+            const float decay = m2::exp2_fast(gs[t] - gs[s]);
+            const float v = decay * sacc[j][e] * macc[j][e];
+            const float ed = decay * dts[s];
+            wv[k] = ed * sacc[j][e];
+            av[k] = ed * macc[j][e];
+            rz[half] += v * dts[s];
+            cz[k] += v;
+          }
+        }
+        m2::store2<T>(ws + t * LDT + 8 * j + m2::acc_col(lane, 0), wv[0], wv[1]);
+        m2::store2<T>(as + t * LDT + 8 * j + m2::acc_col(lane, 0), av[0], av[1]);
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const float v = m2::column_sum(cz[k]);
+        if (lane < 4) atomicAdd(&col[8 * j + m2::acc_col(lane, k)], v);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float v = m2::quad_sum(rz[half]);
+      if ((lane & 3) == 0) row[m0 + m2::acc_row(lane, 2 * half)] = v;
+    }
+  }
+  __syncthreads();
+
+  // dX = Wᵀ·dY + D·dY + diag(r)·(B·dH'ᵀ); x_s·(dH' B_s) and D's gradient on the way.
+  {
+    float xb[2] = {0.f, 0.f};
+    float rs[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = m0 + m2::acc_row(lane, 2 * half);
+      rs[half] = m2::exp2_fast(g_last - gs[s]) * dts[s];
+    }
+    for (int p0 = 0; p0 < pp; p0 += 64) {
+      float acc[8][4], st[8][4];
+      m2::zero(acc);
+      m2::zero(st);
+      m2::WarpTile<T, true, true, 8>::mma(acc, ws, LDT, dys, ldp, m0, p0, TOKENS, lane);
+      m2::WarpTile<T, false, false, 8>::mma(st, bs, ldn, dhs, ldn, m0, p0, np, lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float dsum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int s = m0 + m2::acc_row(lane, 2 * half);
+          const int c0 = p0 + 8 * j + m2::acc_col(lane, 0);
+          float v[2];
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int jj = c0 + k, e = 2 * half + k;
+            const float xv = m2::to_f(xs[s * ldp + jj]), dv = m2::to_f(dys[s * ldp + jj]);
+            xb[half] += xv * st[j][e];
+            dsum[k] += xv * dv;
+            const float skip = !dskip ? 0.f : d.d_per_channel ? (jj < P ? dskip[h * P + jj] : 0.f)
+                                                              : dskip[h];
+            v[k] = acc[j][e] + rs[half] * st[j][e] + skip * dv;
+          }
+          if (s < tc) {
+            T* dst = static_cast<T*>(out.dx) + xo + static_cast<size_t>(s) * xstride + c0;
+            if (c0 + 1 < P && (P & 1) == 0) {
+              m2::store2<T>(dst, v[0], v[1]);
+            } else {
+              if (c0 < P) dst[0] = m2::from_f<T>(v[0]);
+              if (c0 + 1 < P) dst[1] = m2::from_f<T>(v[1]);
+            }
+          }
+        }
+        if (out.dd) {
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const float v = m2::column_sum(dsum[k]);
+            if (lane < 4) atomicAdd(&ddsum[p0 + 8 * j + m2::acc_col(lane, k)], v);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float v = m2::quad_sum(xb[half]);
+      if ((lane & 3) == 0) xdhb[m0 + m2::acc_row(lane, 2 * half)] = v;
+    }
+  }
+
+  // dB = Aᵀ·C + diag(r)·(X·dH') and dC = A·B + diag(exp2(d))·(dY·H), 64 columns at a time.
+  {
+    float yc[2] = {0.f, 0.f};
+    float rs[2], eg[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = m0 + m2::acc_row(lane, 2 * half);
+      rs[half] = m2::exp2_fast(g_last - gs[t]) * dts[t];
+      eg[half] = m2::exp2_fast(gs[t]);
+    }
+    const bool shared = hpg > 1;
+    for (int n0 = 0; n0 < np; n0 += 64) {
+      float acc[8][4], st[8][4];
+      m2::zero(acc);
+      m2::zero(st);
+      m2::WarpTile<T, true, true, 8>::mma(acc, as, LDT, cs, ldn, m0, n0, TOKENS, lane);
+      m2::WarpTile<T, false, true, 8>::mma(st, xs, ldp, dhs, ldn, m0, n0, pp, lane);
+      float* db = out.db + bo;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = acc[j][e] + rs[e >> 1] * st[j][e];
+        m2::add_tile(db, bstride, v, m0, n0 + 8 * j, tc, N, shared, lane);
+      }
+      m2::zero(acc);
+      m2::zero(st);
+      m2::WarpTile<T, false, true, 8>::mma(acc, as, LDT, bs, ldn, m0, n0, TOKENS, lane);
+      m2::WarpTile<T, false, true, 8>::mma(st, dys, ldp, hs, ldn, m0, n0, pp, lane);
+      float* dc = out.dc + bo;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = m0 + m2::acc_row(lane, e), n = n0 + 8 * j + m2::acc_col(lane, e);
+          yc[e >> 1] += st[j][e] * m2::to_f(cs[t * ldn + n]);
+          v[e] = acc[j][e] + eg[e >> 1] * st[j][e];
+        }
+        m2::add_tile(dc, bstride, v, m0, n0 + 8 * j, tc, N, shared, lane);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float v = m2::quad_sum(yc[half]);
+      if ((lane & 3) == 0) dyhc[m0 + m2::acc_row(lane, 2 * half)] = v;
+    }
+  }
+
+  // ⟨dH', H⟩ over the tile (zero padding adds nothing).
+  float dot = 0.f;
+  for (int i = tid; i < pp * np; i += threads) {
+    const int r = i / np, cidx = i % np;
+    dot += m2::to_f(hs[r * ldn + cidx]) * m2::to_f(dhs[r * ldn + cidx]);
+  }
+  dot = m2::warp_sum(dot);
+  if (lane == 0) red[warp] = dot;
+  __syncthreads();
+  if (out.dd)
+    for (int j = tid; j < P; j += threads) atomicAdd(&out.dd[h * P + j], ddsum[j]);
+  if (warp != 0) return;
+
+  // q, ddt and da: two tokens per lane, prefix sums across the warp.
+  float state_dot = 0.f;
+  for (int w = 0; w < WARPS; ++w) state_dot += red[w];
+  const float ah = a[h];
+  const int t0 = 2 * lane;
+  float cross[2], before[2], tail[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int t = t0 + k;
+    cross[k] = dts[t] * col[t] - row[t];
+    before[k] = m2::exp2_fast(g_last - gs[t]) * dts[t] * xdhb[t];
+    tail[k] = m2::exp2_fast(gs[t]) * dyhc[t];
+  }
+  // Inclusive scans over lanes of the pair sums.
+  float sc = cross[0] + cross[1], sb = before[0] + before[1], stl = tail[0] + tail[1];
+  float ic = sc, ib = sb, it = stl;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float nc = __shfl_up_sync(0xffffffffu, ic, o);
+    const float nb = __shfl_up_sync(0xffffffffu, ib, o);
+    const float nt = __shfl_up_sync(0xffffffffu, it, o);
+    if (lane >= o) {
+      ic += nc;
+      ib += nb;
+      it += nt;
+    }
+  }
+  const float total_tail = __shfl_sync(0xffffffffu, it, 31);
+  const float state_term = m2::exp2_fast(g_last) * state_dot;
+  // Exclusive prefixes at this lane's first token.
+  float pc = ic - sc, pb = ib - sb, pt = it - stl;
+  float part = 0.f;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int t = t0 + k;
+    const float q = (total_tail - pt) + state_term + pc + pb;
+    const float ddt = col[t] + m2::exp2_fast(g_last - gs[t]) * xdhb[t] + ah * q;
+    if (t < tc) out.ddt[bhl + l0 + t] = ddt;
+    part += dts[t] * q;
+    pc += cross[k];
+    pb += before[k];
+    pt += tail[k];
+  }
+  part = m2::warp_sum(part);
+  if (lane == 0) out.da_part[static_cast<size_t>(bh) * nch + ci] = part;
+}
+
+}  // namespace
+
+#define BWD_COMPUTE_OUT(NAME, T, S)                                                             \
+  extern "C" __global__ void __launch_bounds__(128)                                             \
+      NAME(const T* x, const T* dy, const T* b, const T* c, const float* dt_out, const float* da, \
+           const S* states, const S* dstates, const float* dskip, const float* a, void* dx,       \
+           float* db, float* dc, float* ddt, float* da_part, float* dd, m2::SsdParams d) {       \
+    const Grads out{dx, db, dc, ddt, da_part, dd};                                              \
+    bwd_compute_out<T, S>(x, dy, b, c, dt_out, da, states, dstates, dskip, a, out, d);          \
+  }
+#include "ssd/bwd_compute_out.inc"

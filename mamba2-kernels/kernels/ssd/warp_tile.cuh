@@ -1,0 +1,184 @@
+// Warp-level products of shared-memory tiles for the SSD backward: one warp accumulates a
+// [16, 8·NJ] block of A·B in the m16n8 accumulator layout (lane l holds rows l/4 and l/4 + 8,
+// columns 2·(l%4) and 2·(l%4) + 1 of every 8-column tile). Tiles are row-major with a padded
+// row length `ld` (elements; a multiple of 8, so every row starts 16-byte aligned). A, logically
+// [M, K], is stored as rows of M (`AK = false`: A[m][k]) or of K (`AK = true`: A[k][m]); B,
+// logically [K, N], as rows of K (`BK = true`: B[k][n]) or of N (`BK = false`: B[n][k]).
+// bf16/f16 tiles go through ldmatrix and mma.sync; f32 tiles through the same layout in f32 FMAs
+// (exact f32 products, for the f32 path).
+#pragma once
+#include "common.cuh"
+
+namespace m2 {
+
+// Element (r, c) of the m16n8 accumulator of lane `lane` for e = 0..3.
+__device__ __forceinline__ int acc_row(int lane, int e) { return (lane >> 2) + ((e >> 1) << 3); }
+__device__ __forceinline__ int acc_col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
+
+template <typename T, bool AK, bool BK, int NJ>
+struct WarpTile {
+  // acc[j] += A[m0 .. m0+16, 0..K) · B[0..K, n0 + 8j .. n0 + 8j + 8), K a multiple of 16.
+  __device__ __forceinline__ static void mma(float (&acc)[NJ][4], const T* a, int lda, const T* b,
+                                             int ldb, int m0, int n0, int k_len, int lane) {
+    static_assert(NJ % 2 == 0, "tiles come in pairs");
+    for (int k0 = 0; k0 < k_len; k0 += 16) {
+      uint32_t af[4];
+      if (AK) {
+        const int k = k0 + ((lane >> 4) << 3) + (lane & 7), m = m0 + (((lane >> 3) & 1) << 3);
+        ldsm_x4_t(af, a + k * lda + m);
+      } else {
+        ldsm_x4(af, a + (m0 + (lane & 15)) * lda + k0 + ((lane >> 4) << 3));
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; j += 2) {
+        uint32_t bf[4];
+        const int i = lane >> 3;
+        if (BK) {
+          const int k = k0 + ((i & 1) << 3) + (lane & 7), n = n0 + 8 * j + ((i >> 1) << 3);
+          ldsm_x4_t(bf, b + k * ldb + n);
+        } else {
+          const int n = n0 + 8 * j + ((i >> 1) << 3) + (lane & 7), k = k0 + ((i & 1) << 3);
+          ldsm_x4(bf, b + n * ldb + k);
+        }
+        Mma<T>::run(acc[j], af, bf[0], bf[1]);
+        Mma<T>::run(acc[j + 1], af, bf[2], bf[3]);
+      }
+    }
+  }
+};
+
+template <bool AK, bool BK, int NJ>
+struct WarpTile<float, AK, BK, NJ> {
+  __device__ __forceinline__ static void mma(float (&acc)[NJ][4], const float* a, int lda,
+                                             const float* b, int ldb, int m0, int n0, int k_len,
+                                             int lane) {
+    const int r0 = m0 + (lane >> 2), c0 = n0 + ((lane & 3) << 1);
+    for (int k = 0; k < k_len; ++k) {
+      const float a0 = AK ? a[k * lda + r0] : a[r0 * lda + k];
+      const float a1 = AK ? a[k * lda + r0 + 8] : a[(r0 + 8) * lda + k];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = c0 + 8 * j;
+        const float b0 = BK ? b[k * ldb + c] : b[c * ldb + k];
+        const float b1 = BK ? b[k * ldb + c + 1] : b[(c + 1) * ldb + k];
+        acc[j][0] = fmaf(a0, b0, acc[j][0]);
+        acc[j][1] = fmaf(a0, b1, acc[j][1]);
+        acc[j][2] = fmaf(a1, b0, acc[j][2]);
+        acc[j][3] = fmaf(a1, b1, acc[j][3]);
+      }
+    }
+  }
+};
+
+template <int NJ>
+__device__ __forceinline__ void zero(float (&acc)[NJ][4]) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+}
+
+// Adds (or, `!accumulate`, stores) one m16n8 accumulator tile at rows r0, r0 + 8 (of `ld`
+// floats) from column c0 into f32 memory at `out`, rows from `rows` and columns from `cols` left
+// out: lane pairs swap halves so that each lane holds four consecutive columns of one row, one
+// 16-byte access (an atomic float4 on sm_90) where the columns and the row stride allow it.
+__device__ __forceinline__ void add_tile(float* out, size_t ld, const float (&v)[4], int r0, int c0,
+                                         int rows, int cols, bool accumulate, int lane) {
+  const bool odd = lane & 1;
+  const float s0 = odd ? v[0] : v[2], s1 = odd ? v[1] : v[3];
+  const float q0 = __shfl_xor_sync(0xffffffffu, s0, 1), q1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+  const int r = r0 + (lane >> 2) + (odd ? 8 : 0);
+  const int c = c0 + ((lane & 3) << 1) - (odd ? 2 : 0);
+  const float w[4] = {odd ? q0 : v[0], odd ? q1 : v[1], odd ? v[2] : q0, odd ? v[3] : q1};
+  if (r >= rows) return;
+  float* p = out + r * ld + c;
+  if (c + 3 < cols && ld % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    const float4 f = make_float4(w[0], w[1], w[2], w[3]);
+    if (!accumulate) {
+      *reinterpret_cast<float4*>(p) = f;
+      return;
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(p), f);
+    return;
+#endif
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (c + k < cols) {
+      if (accumulate)
+        atomicAdd(p + k, w[k]);
+      else
+        p[k] = w[k];
+    }
+}
+
+// Sum over the four lanes of a quad (one accumulator row's lanes).
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Sum over the eight quads of a warp (one accumulator column's lanes).
+__device__ __forceinline__ float column_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 8);
+  return v + __shfl_xor_sync(0xffffffffu, v, 16);
+}
+
+// Rows [0, rows) × columns [0, cols) of a row-major global matrix (row stride `stride`
+// elements) into a shared tile of row length `ld` (a multiple of 8), converted to T; the rest of
+// the tile's `tile_rows` × `tile_cols` (a multiple of 8) is zero-filled. 16-byte loads where the
+// width, the stride and the address allow them, else one element at a time; each thread issues
+// a batch of loads before its first store (the stores could alias the loads as far as the
+// compiler knows, which would otherwise serialise every load's latency).
+template <typename T, typename S>
+__device__ __forceinline__ void stage(T* dst, int ld, const S* src, size_t stride, int rows, int cols,
+                                      int tile_rows, int tile_cols, int tid, int threads) {
+  constexpr int V = 16 / sizeof(S), U = 8;
+  const bool wide = cols % V == 0 && stride % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  if (wide) {
+    const int per_row = tile_cols / V, total = tile_rows * per_row;
+    for (int base = tid; base < total; base += U * threads) {
+      uint4 raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * threads, r = i / per_row, c = (i % per_row) * V;
+        raw[u] = i < total && r < rows && c < cols
+                     ? __ldg(reinterpret_cast<const uint4*>(src + r * stride + c))
+                     : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * threads, r = i / per_row, c = (i % per_row) * V;
+        if (i >= total) break;
+        T* out = dst + r * ld + c;
+        if constexpr (sizeof(T) == sizeof(S) && V == 8) {
+          *reinterpret_cast<uint4*>(out) = raw[u];
+        } else {
+          const S* v = reinterpret_cast<const S*>(&raw[u]);
+#pragma unroll
+          for (int k = 0; k < V; ++k) out[k] = from_f<T>(to_f(v[k]));
+        }
+      }
+    }
+    return;
+  }
+  const int total = tile_rows * tile_cols;
+  for (int base = tid; base < total; base += U * threads) {
+    float v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = base + u * threads, r = i / tile_cols, c = i % tile_cols;
+      v[u] = i < total && r < rows && c < cols ? to_f(src[r * stride + c]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = base + u * threads;
+      if (i >= total) break;
+      dst[(i / tile_cols) * ld + i % tile_cols] = from_f<T>(v[u]);
+    }
+  }
+}
+
+}  // namespace m2

@@ -1,0 +1,73 @@
+//! Launcher of `kernels/ssd/bwd_compute_out.cu`, the backward of compute_out: one program per
+//! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory.
+
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::{bail, Result};
+
+use super::bwd_pass_state::{pad, TOKENS};
+use super::params::SsdParams;
+use crate::cuda::{cfg, fatbin, function, launch, max_smem, Image, Ty};
+use crate::instances;
+
+const IMAGE: Image = fatbin!("ssd_bwd_compute_out");
+
+/// What the kernel reads (values of the value type, states and their gradients of the state
+/// type, per-token steps f32; `dskip` 0: no D) and writes (`dx` of the value type, the rest f32;
+/// `dd` 0: no D).
+pub(super) struct BwdOutPtrs {
+    pub x: u64,
+    pub dy: u64,
+    pub b: u64,
+    pub c: u64,
+    pub dt: u64,
+    pub da: u64,
+    pub states: u64,
+    pub dstates: u64,
+    pub dskip: u64,
+    pub a: u64,
+    pub dx: u64,
+    pub db: u64,
+    pub dc: u64,
+    pub ddt: u64,
+    pub da_part: u64,
+    pub dd: u64,
+}
+
+/// Shared memory of one program: x, dy, B, C, H and dH' padded to 64 columns, W and A, and the
+/// per-token sums.
+pub(super) fn smem(p: &SsdParams, t: Ty) -> usize {
+    let (pp, np) = (pad(p.headdim), pad(p.dstate));
+    let tiles = 2 * TOKENS * (pp + 8) + 2 * TOKENS * (np + 8) + 2 * pp * (np + 8);
+    let wa = 2 * TOKENS * (TOKENS + 8);
+    (tiles + wa) * t.bytes() + (6 * TOKENS + pp + 4) * 4 + 128
+}
+
+pub(super) fn launch_bwd_out(
+    p: &SsdParams,
+    (t, s): (Ty, Ty),
+    q: &BwdOutPtrs,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    let name = "ssd backward";
+    let bytes = smem(p, t);
+    let max = max_smem(stream)?;
+    if bytes > max {
+        bail!(
+            "{name}: a chunk's tiles at P = {}, N = {} take {bytes} bytes of shared memory in {}, \
+             over the device's {max}; run the backward on the CPU or in bf16",
+            p.headdim,
+            p.dstate,
+            t.name()
+        )
+    }
+    let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s))?;
+    let grid = [p.nchunks as usize, p.batch as usize * p.nheads as usize, 1];
+    let c = cfg(name, stream, grid, [128, 1, 1], bytes)?;
+    let args: [&dyn crate::cuda::Arg; 17] = [
+        &q.x, &q.dy, &q.b, &q.c, &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx, &q.db,
+        &q.dc, &q.ddt, &q.da_part, &q.dd, p,
+    ];
+    launch(stream, &f, c, &args)
+}

@@ -1,0 +1,70 @@
+//! Launcher of `kernels/ssd/bwd_pass_state.cu`, the backward state pass: every chunk's own
+//! state gradient `(dY)ᵀ·(exp2(d)∘C)` in parallel (bwd_chunk_state), then the scan across chunks
+//! from the last (bwd_state_scan), which leaves each chunk's exit-state gradient in place of its
+//! own term and writes the initial state's gradient.
+
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::Result;
+
+use super::params::SsdParams;
+use crate::cuda::{cfg, fatbin, function, launch, Image, Ty};
+use crate::instances;
+
+const IMAGE: Image = fatbin!("ssd_bwd_pass_state");
+
+/// Tokens per chunk of the backward kernels (any forward chunk: the SSD's results do not depend
+/// on it).
+pub(super) const TOKENS: usize = 64;
+
+/// The addresses the pass reads and writes: dy, c, da_cumsum, the final state's gradient (0:
+/// zero), the chunk gradients `[B,H,C,P,N]` and the initial state's gradient (0: not needed).
+pub(super) struct BwdStatePtrs {
+    pub dy: u64,
+    pub c: u64,
+    pub da: u64,
+    pub dlast: u64,
+    pub dstates: u64,
+    pub dinit: u64,
+}
+
+/// Shared memory of bwd_chunk_state: dY and exp2(d)∘C tiles padded to 64 columns, the scales.
+fn chunk_state_smem(p: &SsdParams, t: Ty) -> usize {
+    let (pp, np) = (pad(p.headdim), pad(p.dstate));
+    TOKENS * (pp + 8 + np + 8) * t.bytes() + TOKENS * 4 + 128
+}
+
+/// `v` rounded up to a multiple of 64.
+pub(super) fn pad(v: i32) -> usize {
+    (v as usize).next_multiple_of(64)
+}
+
+/// Launches both kernels with values of type `t` and chunk gradients of type `s`.
+pub(super) fn bwd_state_pass(
+    p: &SsdParams,
+    (t, s): (Ty, Ty),
+    q: &BwdStatePtrs,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    let name = "ssd backward";
+    let bh = p.batch as usize * p.nheads as usize;
+    let f = function(stream, IMAGE, &instances::bwd_chunk_state(t, s))?;
+    let smem = chunk_state_smem(p, t);
+    let grid = [p.nchunks as usize, bh, 1];
+    let c = cfg(name, stream, grid, [128, 1, 1], smem)?;
+    launch(stream, &f, c, &[&q.dy, &q.c, &q.da, &q.dstates, p])?;
+    let f = function(stream, IMAGE, &instances::bwd_state_scan(s))?;
+    // V elements of 16 bytes per thread where a state's row allows it, else one.
+    let pn = p.headdim as usize * p.dstate as usize;
+    let v = 16 / s.bytes();
+    let per_thread = if pn % v == 0 { v } else { 1 };
+    let c = cfg(
+        name,
+        stream,
+        [pn.div_ceil(per_thread).div_ceil(256), bh, 1],
+        [256, 1, 1],
+        0,
+    )?;
+    launch(stream, &f, c, &[&q.da, &q.dlast, &q.dstates, &q.dinit, p])
+}

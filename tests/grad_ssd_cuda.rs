@@ -1,0 +1,443 @@
+//! The CUDA backward of `ssd` and `ssd_xbc` against the CPU backward (run on a GPU machine:
+//! `cargo test --release --features cuda --test grad_ssd_cuda`): every input's gradient from a
+//! loss that reads y and the final state, in f32 (≤ 1e-4 of the largest gradient) and bf16
+//! (≤ 2e-2, the CPU run on the same bf16-rounded inputs in f32), on lengths that are not
+//! multiples of the chunk, L = 1, groups, D per head and per channel, z, the initial state and
+//! the dt options; outputs poisoned with NaN before every kernel; and a finite backward at
+//! L = 1,048,576.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use common::Rng;
+use mamba2::kernels::{self as k, ssd, ssd_backward, ssd_xbc, DtOptions, SsdOptions};
+
+fn gpu() -> Device {
+    k::set_poison(true);
+    Device::new_cuda(0).expect("a CUDA device")
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    batch: usize,
+    seqlen: usize,
+    nheads: usize,
+    headdim: usize,
+    ngroups: usize,
+    dstate: usize,
+    chunk: usize,
+    /// 0: no D, 1: per head, 2: per channel.
+    d: u8,
+    z: bool,
+    init: bool,
+    softplus: bool,
+    limit: (f32, f32),
+    state_dtype: DType,
+}
+
+const BASE: Case = Case {
+    batch: 2,
+    seqlen: 150,
+    nheads: 4,
+    headdim: 64,
+    ngroups: 2,
+    dstate: 64,
+    chunk: 64,
+    d: 1,
+    z: false,
+    init: true,
+    softplus: true,
+    limit: (0.0, f32::INFINITY),
+    state_dtype: DType::F32,
+};
+
+/// The inputs of a case as f32 host tensors, rounded to `dtype` where the op reads them in it.
+struct Inputs {
+    x: Tensor,
+    dt: Tensor,
+    a_log: Tensor,
+    b: Tensor,
+    c: Tensor,
+    d: Option<Tensor>,
+    z: Option<Tensor>,
+    init: Option<Tensor>,
+    bias: Tensor,
+    wy: Tensor,
+    ws: Tensor,
+}
+
+impl Inputs {
+    fn new(k: &Case, seed: u64, dtype: DType) -> Result<Self> {
+        let (dev, rng) = (&Device::Cpu, &mut Rng::new(seed));
+        let (bs, l, h, p, g, n) = (k.batch, k.seqlen, k.nheads, k.headdim, k.ngroups, k.dstate);
+        let round = |t: Tensor| t.to_dtype(dtype)?.to_dtype(DType::F32);
+        let d_shape = if k.d == 1 { vec![h] } else { vec![h, p] };
+        Ok(Self {
+            x: round(rng.tensor(&[bs, l, h, p], 1.0, dev)?)?,
+            dt: round(rng.tensor_in(&[bs, l, h], -2.5, 0.5, dev)?)?,
+            a_log: rng.tensor_in(&[h], -1.0, 1.0, dev)?,
+            b: round(rng.tensor(&[bs, l, g, n], 0.5, dev)?)?,
+            c: round(rng.tensor(&[bs, l, g, n], 0.5, dev)?)?,
+            d: (k.d > 0)
+                .then(|| rng.tensor(&d_shape, 1.0, dev))
+                .transpose()?,
+            z: k.z
+                .then(|| rng.tensor(&[bs, l, h, p], 1.0, dev).and_then(round))
+                .transpose()?,
+            init: k
+                .init
+                .then(|| rng.tensor(&[bs, h, p, n], 0.5, dev))
+                .transpose()?,
+            bias: rng.tensor_in(&[h], -0.5, 0.5, dev)?,
+            wy: rng.tensor(&[bs, l, h, p], 1.0, dev)?,
+            ws: rng.tensor(&[bs, h, p, n], 1.0, dev)?,
+        })
+    }
+}
+
+/// Every named gradient of the loss Σ y·wy + Σ final·ws, computed on `dev` in `dtype`
+/// (returned as f32 host tensors), through `ssd` or (`xbc`) `ssd_xbc`.
+fn grads(
+    k: &Case,
+    inp: &Inputs,
+    dev: &Device,
+    dtype: DType,
+    xbc: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let var = |t: &Tensor, dt: DType| Var::from_tensor(&t.to_device(dev)?.to_dtype(dt)?);
+    let (x, dtv, b, c) = (
+        var(&inp.x, dtype)?,
+        var(&inp.dt, dtype)?,
+        var(&inp.b, dtype)?,
+        var(&inp.c, dtype)?,
+    );
+    let a_log = var(&inp.a_log, DType::F32)?;
+    let bias = var(&inp.bias, DType::F32)?;
+    let d = inp.d.as_ref().map(|t| var(t, DType::F32)).transpose()?;
+    let z = inp.z.as_ref().map(|t| var(t, dtype)).transpose()?;
+    let init = inp.init.as_ref().map(|t| var(t, DType::F32)).transpose()?;
+    let a = a_log.as_tensor().exp()?.neg()?;
+    let opts = SsdOptions {
+        chunk_size: k.chunk,
+        dt: DtOptions {
+            bias: Some(bias.as_tensor()),
+            softplus: k.softplus,
+            limit: k.limit,
+        },
+        d: d.as_ref().map(Var::as_tensor),
+        z: z.as_ref().map(Var::as_tensor),
+        initial_state: init.as_ref().map(Var::as_tensor),
+        state_dtype: k.state_dtype,
+    };
+    let (bs, l) = (k.batch, k.seqlen);
+    let (y, last, xbc_var) = if xbc {
+        let (hp, gn) = (k.nheads * k.headdim, k.ngroups * k.dstate);
+        let joined = Tensor::cat(
+            &[
+                inp.x.reshape((bs, l, hp))?,
+                inp.b.reshape((bs, l, gn))?,
+                inp.c.reshape((bs, l, gn))?,
+            ],
+            2,
+        )?;
+        let v = var(&joined, dtype)?;
+        let (y, last) = ssd_xbc(
+            v.as_tensor(),
+            dtv.as_tensor(),
+            &a,
+            (k.ngroups, k.dstate),
+            &opts,
+        )?;
+        (y, last, Some(v))
+    } else {
+        let (y, last) = ssd(
+            x.as_tensor(),
+            dtv.as_tensor(),
+            &a,
+            b.as_tensor(),
+            c.as_tensor(),
+            &opts,
+        )?;
+        (y, last, None)
+    };
+    let wy = inp.wy.to_device(dev)?;
+    let ws = inp.ws.to_device(dev)?;
+    let loss = ((y.to_dtype(DType::F32)? * wy)?.sum_all()?
+        + (last.to_dtype(DType::F32)? * ws)?.sum_all()?)?;
+    let store = loss.backward()?;
+    let mut leaves: Vec<(&str, &Var)> = vec![("dt", &dtv), ("A_log", &a_log), ("dt_bias", &bias)];
+    match &xbc_var {
+        Some(v) => leaves.push(("xbc", v)),
+        None => leaves.extend([("x", &x), ("B", &b), ("C", &c)]),
+    }
+    let optional = [("D", &d), ("z", &z), ("init", &init)];
+    leaves.extend(
+        optional
+            .iter()
+            .filter_map(|(n, v)| v.as_ref().map(|v| (*n, v))),
+    );
+    leaves
+        .into_iter()
+        .map(|(name, v)| {
+            let g = store
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient for {name}"));
+            Ok((
+                name.to_string(),
+                g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?,
+            ))
+        })
+        .collect()
+}
+
+/// The CUDA gradients against the CPU's: the worst error relative to each gradient's largest
+/// magnitude, asserted ≤ `tol`.
+fn check(k: &Case, seed: u64, dtype: DType, xbc: bool) -> Result<f64> {
+    let tol = if dtype == DType::F32 && k.state_dtype == DType::F32 {
+        1e-4
+    } else {
+        2e-2
+    };
+    let inp = Inputs::new(k, seed, dtype)?;
+    let want = grads(k, &inp, &Device::Cpu, DType::F32, xbc)?;
+    let got = grads(k, &inp, &gpu(), dtype, xbc)?;
+    let mut worst = 0f64;
+    for ((name, w), (_, g)) in want.iter().zip(&got) {
+        let scale = w.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+        let err = (g - w)?.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+        let rel = err / scale.max(1e-12);
+        assert!(
+            rel.is_finite() && rel <= tol,
+            "{name}: CUDA gradient off by {rel:e} of its scale {scale:e} ({dtype:?}, xbc {xbc}, {k:?})"
+        );
+        worst = worst.max(rel);
+    }
+    Ok(worst)
+}
+
+#[test]
+fn f32_gradients_match_the_cpu() -> Result<()> {
+    let cases = [
+        BASE,
+        Case { seqlen: 1, ..BASE },
+        Case {
+            seqlen: 64,
+            ngroups: 1,
+            d: 2,
+            z: true,
+            ..BASE
+        },
+        Case {
+            seqlen: 200,
+            chunk: 16,
+            init: false,
+            softplus: false,
+            limit: (0.05, 0.6),
+            ..BASE
+        },
+        Case {
+            headdim: 24,
+            dstate: 40,
+            nheads: 3,
+            ngroups: 1,
+            chunk: 256,
+            ..BASE
+        },
+        Case {
+            seqlen: 333,
+            dstate: 128,
+            ngroups: 4,
+            d: 0,
+            ..BASE
+        },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        let worst = check(case, 7 + i as u64, DType::F32, false)?;
+        println!("f32 case {i}: worst {worst:e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn bf16_gradients_match_the_cpu() -> Result<()> {
+    let cases = [
+        BASE,
+        Case { seqlen: 1, ..BASE },
+        Case {
+            seqlen: 300,
+            ngroups: 1,
+            dstate: 128,
+            d: 2,
+            z: true,
+            ..BASE
+        },
+        Case {
+            seqlen: 129,
+            state_dtype: DType::BF16,
+            chunk: 128,
+            ..BASE
+        },
+        Case {
+            headdim: 24,
+            dstate: 40,
+            nheads: 3,
+            ngroups: 3,
+            chunk: 32,
+            ..BASE
+        },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        let worst = check(case, 31 + i as u64, DType::BF16, false)?;
+        println!("bf16 case {i}: worst {worst:e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn xbc_gradients_match_the_cpu() -> Result<()> {
+    let case = Case {
+        seqlen: 190,
+        ngroups: 1,
+        d: 1,
+        ..BASE
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        let worst = check(&case, 5, dtype, true)?;
+        println!("xbc {dtype:?}: worst {worst:e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_million_tokens_give_finite_gradients() -> Result<()> {
+    let dev = gpu();
+    let (l, h, p, n) = (1 << 20, 2, 64, 64);
+    let rng = &mut Rng::new(3);
+    let var = |t: Tensor| Var::from_tensor(&t.to_dtype(DType::BF16)?.to_device(&dev)?);
+    let cpu = &Device::Cpu;
+    let x = var(rng.tensor(&[1, l, h, p], 1.0, cpu)?)?;
+    let dt = var(rng.tensor_in(&[1, l, h], -3.0, 0.0, cpu)?)?;
+    let b = var(rng.tensor(&[1, l, 1, n], 0.5, cpu)?)?;
+    let c = var(rng.tensor(&[1, l, 1, n], 0.5, cpu)?)?;
+    let a_log = Var::from_tensor(&rng.tensor_in(&[h], -1.0, 1.0, cpu)?.to_device(&dev)?)?;
+    let a = a_log.as_tensor().exp()?.neg()?;
+    let opts = SsdOptions {
+        chunk_size: 256,
+        dt: DtOptions {
+            bias: None,
+            softplus: true,
+            limit: (0.0, f32::INFINITY),
+        },
+        ..Default::default()
+    };
+    let (y, last) = ssd(
+        x.as_tensor(),
+        dt.as_tensor(),
+        &a,
+        b.as_tensor(),
+        c.as_tensor(),
+        &opts,
+    )?;
+    let loss = (y.to_dtype(DType::F32)?.sqr()?.mean_all()? + last.sqr()?.mean_all()?)?;
+    let store = loss.backward()?;
+    for (name, v) in [
+        ("x", &x),
+        ("dt", &dt),
+        ("B", &b),
+        ("C", &c),
+        ("A_log", &a_log),
+    ] {
+        let g = store
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        let sum = g
+            .to_dtype(DType::F32)?
+            .abs()?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        assert!(sum.is_finite() && sum > 0.0, "{name}: gradient sum {sum}");
+    }
+    Ok(())
+}
+
+/// `ssd_backward` (no autograd) gives autograd's gradients, on the GPU, with and without the
+/// final state's gradient.
+#[test]
+fn ssd_backward_matches_autograd() -> Result<()> {
+    let dev = gpu();
+    let k = Case {
+        seqlen: 177,
+        d: 2,
+        ..BASE
+    };
+    let inp = Inputs::new(&k, 9, DType::BF16)?;
+    for dtype in [DType::F32, DType::BF16] {
+        let on = |t: &Tensor, dt: DType| -> Result<Tensor> { t.to_device(&dev)?.to_dtype(dt) };
+        let (x, dtv, b, c) = (
+            on(&inp.x, dtype)?,
+            on(&inp.dt, dtype)?,
+            on(&inp.b, dtype)?,
+            on(&inp.c, dtype)?,
+        );
+        let a = on(&inp.a_log, DType::F32)?.exp()?.neg()?;
+        let (bias, d, init) = (
+            on(&inp.bias, DType::F32)?,
+            on(inp.d.as_ref().expect("D"), DType::F32)?,
+            on(inp.init.as_ref().expect("init"), DType::F32)?,
+        );
+        let opts = SsdOptions {
+            chunk_size: k.chunk,
+            dt: DtOptions {
+                bias: Some(&bias),
+                softplus: k.softplus,
+                limit: k.limit,
+            },
+            d: Some(&d),
+            z: None,
+            initial_state: Some(&init),
+            state_dtype: k.state_dtype,
+        };
+        let dy = on(&inp.wy, dtype)?;
+        let ws = on(&inp.ws, DType::F32)?;
+        for with_last in [false, true] {
+            let g = ssd_backward(&x, &dtv, &a, &b, &c, &opts, &dy, with_last.then_some(&ws))?;
+            let vars = [&x, &dtv, &b, &c].map(|t| Var::from_tensor(t));
+            let [xv, dv, bv, cv] = vars;
+            let (xv, dv, bv, cv) = (xv?, dv?, bv?, cv?);
+            let (y, last) = ssd(
+                xv.as_tensor(),
+                dv.as_tensor(),
+                &a,
+                bv.as_tensor(),
+                cv.as_tensor(),
+                &opts,
+            )?;
+            let mut loss = (y.to_dtype(DType::F32)? * dy.to_dtype(DType::F32)?)?.sum_all()?;
+            if with_last {
+                loss = (loss + (last.to_dtype(DType::F32)? * &ws)?.sum_all()?)?;
+            }
+            let store = loss.backward()?;
+            for (name, v, got) in [
+                ("x", &xv, &g.x),
+                ("dt", &dv, &g.dt),
+                ("B", &bv, &g.b),
+                ("C", &cv, &g.c),
+            ] {
+                let want = store
+                    .get(v.as_tensor())
+                    .expect("a gradient")
+                    .to_dtype(DType::F32)?;
+                let got = got.to_dtype(DType::F32)?;
+                let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+                let err = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                assert!(
+                    err <= tol * scale,
+                    "{name} {dtype:?} last {with_last}: {err} of {scale}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
