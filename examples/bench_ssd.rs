@@ -10,6 +10,8 @@
 //! launch and synchronisation): a call costs about its GPU time, that floor and the host's work
 //! before its first launch. Built with `--features timeline`, `bench_ssd --cuda --timeline` also
 //! prints each shape's kernel timeline inside one call (`mamba2::kernels::ssd_timeline`).
+//! `bench_ssd --cuda --backward` times forward + backward (every input's gradient through
+//! candle's autograd) on the seed shapes, as mamba_ssm's benchmark runs its Triton kernels.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -57,6 +59,14 @@ struct Args {
     /// calls of when the first and the last block passed each mark); needs `--features timeline`.
     #[arg(long)]
     timeline: bool,
+    /// With --cuda: forward + backward through candle's autograd on the seed shapes instead
+    /// (mamba_ssm's benchmark inputs: processed f32 dt, f32 A, D and initial state), with the
+    /// peak memory of one call.
+    #[arg(long)]
+    backward: bool,
+    /// With --backward: one forward + backward per shape and nothing timed (for a profiler).
+    #[arg(long)]
+    once: bool,
 }
 
 /// Median wall time in milliseconds of `reps` runs after one warm-up run.
@@ -167,6 +177,9 @@ fn peer_model(
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if (args.timeline || args.backward) && !args.cuda {
+        anyhow::bail!("--timeline and --backward time the CUDA kernels: use them with --cuda");
+    }
     if args.timeline && !args.cuda {
         anyhow::bail!("--timeline times the CUDA kernels: use it with --cuda");
     }

@@ -208,6 +208,9 @@ fn timeline(_: &Device, _: &str, _: impl FnMut(usize) -> Result<()>) -> Result<S
 pub fn run(args: &Args) -> Result<()> {
     let dev = Device::new_cuda(0)?;
     let ballast = Tensor::randn(0f32, 1., 256 << 20, &dev)?;
+    if args.backward {
+        return backward(args, &dev, &ballast);
+    }
     let shapes = [
         Shape {
             name: "seed N128 L4096",
@@ -421,6 +424,143 @@ pub fn run(args: &Args) -> Result<()> {
                 bytes / (tg * 1e3)
             );
         }
+    }
+    Ok(())
+}
+
+/// The most memory the device's default pool has held since the last reset (bytes), and a reset
+/// of that mark to what it holds now.
+fn pool_high(dev: &Device, reset: bool) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let cuda = dev.as_cuda_device()?;
+    cuda.cuda_stream().synchronize()?;
+    let ordinal = cuda.cuda_stream().context().ordinal() as i32;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+    // SAFETY: plain driver queries of the default pool of a live device; the value is a u64.
+    unsafe {
+        let mut device = 0;
+        sys::cuDeviceGet(&mut device, ordinal).result()?;
+        let mut pool = std::ptr::null_mut();
+        sys::cuDeviceGetDefaultMemPool(&mut pool, device).result()?;
+        let mut v: u64 = 0;
+        if reset {
+            sys::cuMemPoolSetAttribute(pool, attr, (&mut v as *mut u64).cast()).result()?;
+        }
+        sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()).result()?;
+        Ok(v)
+    }
+}
+
+/// Forward + backward of `ssd` on the seed shapes: every input a `Var` (x, B, C bf16; dt, A, D
+/// and the initial state f32, dt already processed), `y.backward()`.
+fn backward(args: &Args, dev: &Device, ballast: &Tensor) -> Result<()> {
+    use candle_core::Var;
+    let (p, g, chunk) = (64, 1, 128);
+    println!("bench_ssd cuda --backward: P=64 G=1 chunk=128, x/B/C bf16, bf16 chunk states; µs = GPU time per forward + backward (events: median of {} runs; graph: per call in a replayed graph of {GRAPH_CALLS}); call = one synchronised host call; peak = the memory pool's high mark during one call above the inputs", args.gpu_reps);
+    println!(
+        "| B, H, N, L | forward GPU | fwd+bwd GPU | fwd+bwd graph | fwd+bwd call | peak MiB |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let shapes = [
+        (4, 8, 128, 4096),
+        (4, 8, 128, 16384),
+        (4, 8, 64, 16384),
+        (4, 8, 256, 16384),
+    ];
+    for (bsz, h, n, l) in shapes {
+        let name = format!("{bsz}, {h}, {n}, {l}");
+        if args
+            .only
+            .as_ref()
+            .is_some_and(|o| !name.contains(o.as_str()))
+        {
+            continue;
+        }
+        let bf = |t: Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::BF16)?)?) };
+        let x = bf(Tensor::randn(0f32, 1., (bsz, l, h, p), dev)?)?;
+        let b = bf(Tensor::randn(0f32, 1., (bsz, l, g, n), dev)?)?;
+        let c = bf(Tensor::randn(0f32, 1., (bsz, l, g, n), dev)?)?;
+        let raw = ((Tensor::randn(0f32, 1., (bsz, l, h), dev)? * 0.5)? - 3.0)?;
+        let dt = Var::from_tensor(&((raw.exp()? + 1.0)?.log()?))?;
+        let a = Var::from_tensor(&Tensor::rand(-16f32, -1., h, dev)?)?;
+        let dskip = Var::from_tensor(&Tensor::randn(0f32, 1., h, dev)?)?;
+        let h0 = Var::from_tensor(&Tensor::zeros((bsz, h, p, n), DType::F32, dev)?)?;
+        let opts = SsdOptions {
+            chunk_size: chunk,
+            dt: DtOptions::default(),
+            d: Some(dskip.as_tensor()),
+            z: None,
+            initial_state: Some(h0.as_tensor()),
+            state_dtype: DType::BF16,
+        };
+        let fwd = |_: usize| -> Result<Tensor> {
+            let (y, _) = k::ssd(
+                x.as_tensor(),
+                dt.as_tensor(),
+                a.as_tensor(),
+                b.as_tensor(),
+                c.as_tensor(),
+                &opts,
+            )?;
+            Ok(y)
+        };
+        let fb = |i: usize| -> Result<()> {
+            let grads = fwd(i)?.backward()?;
+            for v in [&x, &b, &c, &dt, &a, &dskip, &h0] {
+                if grads.get(v.as_tensor()).is_none() {
+                    anyhow::bail!("no gradient for an input");
+                }
+            }
+            Ok(())
+        };
+        let (xd, dtd, ad, bd, cd) = (
+            x.as_tensor().detach(),
+            dt.as_tensor().detach(),
+            a.as_tensor().detach(),
+            b.as_tensor().detach(),
+            c.as_tensor().detach(),
+        );
+        let (dd, h0d) = (dskip.as_tensor().detach(), h0.as_tensor().detach());
+        let opts_d = SsdOptions {
+            d: Some(&dd),
+            initial_state: Some(&h0d),
+            ..opts
+        };
+        let gy = Tensor::randn(0f32, 1., (bsz, l, h, p), dev)?.to_dtype(DType::BF16)?;
+        let plain = |_: usize| -> Result<()> {
+            k::ssd(&xd, &dtd, &ad, &bd, &cd, &opts_d)?;
+            Ok(())
+        };
+        let direct = |_: usize| -> Result<()> {
+            k::ssd(&xd, &dtd, &ad, &bd, &cd, &opts_d)?;
+            k::ssd_backward(&xd, &dtd, &ad, &bd, &cd, &opts_d, &gy, None)?;
+            Ok(())
+        };
+        if args.once {
+            direct(0)?;
+            fb(0)?;
+            dev.synchronize()?;
+            continue;
+        }
+        let t_fwd = gpu_us(dev, args.gpu_reps, ballast, plain)?;
+        let t_direct = gpu_us(dev, args.gpu_reps, ballast, direct)?;
+        let t_direct_graph = match graph_us(dev, direct) {
+            Ok(t) => format!("{t:.1}"),
+            Err(e) => format!("n/a ({e})"),
+        };
+        let base = pool_high(dev, true)?;
+        direct(0)?;
+        let peak_direct = pool_high(dev, false)?.saturating_sub(base) as f64 / (1 << 20) as f64;
+        let t_fb = gpu_us(dev, args.gpu_reps, ballast, fb)?;
+        let t_graph = match graph_us(dev, fb) {
+            Ok(t) => format!("{t:.1}"),
+            Err(e) => format!("n/a ({e})"),
+        };
+        let (t_call, _) = host_us(dev, args.gpu_reps.min(50), fb)?;
+        let base = pool_high(dev, true)?;
+        fb(0)?;
+        let peak = pool_high(dev, false)?.saturating_sub(base) as f64 / (1 << 20) as f64;
+        println!("| {name} | {t_fwd:.1} | {t_direct:.1} | {t_direct_graph} | {peak_direct:.0} | {t_fb:.1} | {t_graph} | {t_call:.1} | {peak:.0} |");
     }
     Ok(())
 }
