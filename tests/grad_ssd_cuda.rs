@@ -402,7 +402,7 @@ fn ssd_backward_matches_autograd() -> Result<()> {
         let ws = on(&inp.ws, DType::F32)?;
         for with_last in [false, true] {
             let g = ssd_backward(&x, &dtv, &a, &b, &c, &opts, &dy, with_last.then_some(&ws))?;
-            let vars = [&x, &dtv, &b, &c].map(|t| Var::from_tensor(t));
+            let vars = [&x, &dtv, &b, &c].map(Var::from_tensor);
             let [xv, dv, bv, cv] = vars;
             let (xv, dv, bv, cv) = (xv?, dv?, bv?, cv?);
             let (y, last) = ssd(
