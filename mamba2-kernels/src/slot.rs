@@ -23,6 +23,17 @@ impl Slot {
         }
     }
 
+    /// The stored storage itself (once), for an op whose output it becomes; an error when the op
+    /// stored none.
+    #[cfg(feature = "cuda")]
+    pub fn take_storage(&self, op: &str, name: &str) -> Result<Storage> {
+        match self.0.lock().map(|mut slot| slot.take()) {
+            Ok(Some(s)) => Ok(s),
+            Ok(None) => bail!("{op}: the op produced no {name}"),
+            Err(_) => bail!("{op}: output slot poisoned"),
+        }
+    }
+
     /// The stored storage as a tensor of `shape`, or an error when the op stored none.
     pub fn take(self, op: &str, name: &str, shape: impl Into<Shape>) -> Result<Tensor> {
         match self.0.into_inner() {

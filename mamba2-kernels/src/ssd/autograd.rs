@@ -34,6 +34,8 @@ use super::SsdOptions;
 use crate::check::{param_dtype, SsdDims};
 use crate::cpu::{round_to, to_storage, view, wide, CpuArg, Real};
 use crate::dt::DtRule;
+#[cfg(feature = "cuda")]
+use crate::slot::Slot;
 use rayon::prelude::*;
 
 /// The recorded SSD on `(values, dt, params)`.
@@ -440,16 +442,16 @@ fn on_cuda(
         chunk: opts.chunk_size,
         state_dtype: opts.state_dtype,
         rows,
-        last: Mutex::new(None),
+        last: Slot::default(),
     });
     let dt_arg = dt.contiguous()?;
-    let y = values.apply_op3(&dt_arg, &params, SsdCuda(held.clone()))?;
-    let last = values.apply_op3(&dt_arg, &params, SsdLast(held))?;
+    let y = values.apply_op3(&dt_arg, &params, SsdCuda(held.clone(), CudaOut::Y))?;
+    let last = values.apply_op3(&dt_arg, &params, SsdCuda(held, CudaOut::Last))?;
     Ok((y, last))
 }
 
-/// What the CUDA ops hold: the forward's inputs, detached, and the final state the first op's
-/// forward leaves for the second.
+/// What the CUDA ops hold: the forward's inputs, detached, and the final state y's forward
+/// leaves for the final state's op.
 #[cfg(feature = "cuda")]
 struct CudaHeld {
     x: Tensor,
@@ -465,7 +467,7 @@ struct CudaHeld {
     chunk: usize,
     state_dtype: DType,
     rows: bool,
-    last: Mutex<Option<candle_core::CudaStorage>>,
+    last: Slot,
 }
 
 #[cfg(feature = "cuda")]
@@ -507,10 +509,7 @@ impl CudaHeld {
             state_dtype: self.state_dtype,
         };
         let (y, last) = super::cuda::ssd(&fused)?;
-        match self.last.lock() {
-            Ok(mut slot) => *slot = Some(last),
-            Err(_) => bail!("ssd: final state slot poisoned"),
-        }
+        self.last.put("ssd", candle_core::Storage::Cuda(last))?;
         Ok(y)
     }
 
@@ -583,20 +582,29 @@ impl CudaHeld {
     }
 }
 
-/// y of the recorded SSD on CUDA.
+/// Which output of the recorded SSD on CUDA an op returns.
 #[cfg(feature = "cuda")]
-#[derive(Debug)]
-struct SsdCuda(Arc<CudaHeld>);
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum CudaOut {
+    /// y; its forward runs the SSD and leaves the final state in the held slot.
+    Y,
+    /// The final state, taken from that slot.
+    Last,
+}
 
-/// The final state of the recorded SSD on CUDA, left by [`SsdCuda`]'s forward.
+/// One output of the recorded SSD on CUDA; the backward of each is the SSD's with the other
+/// output's gradient zero.
 #[cfg(feature = "cuda")]
 #[derive(Debug)]
-struct SsdLast(Arc<CudaHeld>);
+struct SsdCuda(Arc<CudaHeld>, CudaOut);
 
 #[cfg(feature = "cuda")]
 impl CustomOp3 for SsdCuda {
     fn name(&self) -> &'static str {
-        "ssd"
+        match self.1 {
+            CudaOut::Y => "ssd",
+            CudaOut::Last => "ssd_final_state",
+        }
     }
 
     fn cpu_fwd(
@@ -621,57 +629,17 @@ impl CustomOp3 for SsdCuda {
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = self.0.dims;
-        let y = self.0.forward()?;
-        Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
-    }
-
-    fn bwd(
-        &self,
-        values: &Tensor,
-        _dt: &Tensor,
-        params: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        self.0.grads((values, params), Some(grad_res), None)
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl CustomOp3 for SsdLast {
-    fn name(&self) -> &'static str {
-        "ssd_final_state"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("ssd: the recorded op of CUDA got CPU tensors")
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let d = self.0.dims;
-        let last = match self.0.last.lock() {
-            Ok(mut slot) => slot.take(),
-            Err(_) => bail!("ssd: final state slot poisoned"),
-        };
-        match last {
-            Some(s) => Ok((s, Shape::from((d.batch, d.nheads, d.headdim, d.dstate)))),
-            None => bail!("ssd: the final state was taken before the forward ran"),
+        match self.1 {
+            CudaOut::Y => {
+                let y = self.0.forward()?;
+                Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
+            }
+            CudaOut::Last => match self.0.last.take_storage("ssd", "final state")? {
+                candle_core::Storage::Cuda(s) => {
+                    Ok((s, Shape::from((d.batch, d.nheads, d.headdim, d.dstate))))
+                }
+                _ => bail!("ssd: the final state is not on the CUDA device"),
+            },
         }
     }
 
@@ -683,7 +651,10 @@ impl CustomOp3 for SsdLast {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        self.0.grads((values, params), None, Some(grad_res))
+        match self.1 {
+            CudaOut::Y => self.0.grads((values, params), Some(grad_res), None),
+            CudaOut::Last => self.0.grads((values, params), None, Some(grad_res)),
+        }
     }
 }
 
