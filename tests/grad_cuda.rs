@@ -1,6 +1,7 @@
-//! The CUDA backwards of `causal_conv1d`, `gated_rms_norm` and `add_rms_norm` against their CPU
-//! backwards on the same random inputs (run on a GPU machine: `cargo test --release --features
-//! cuda --test grad_cuda`; the `conv_` and `norm_` prefixes pick a group). Every tracked input is
+//! The CUDA backwards of `causal_conv1d`, `gated_rms_norm`, `add_rms_norm`, `cross_entropy` and
+//! `embedding` against their CPU backwards on the same random inputs (run on a GPU machine:
+//! `cargo test --release --features cuda --test grad_cuda`; the `conv_`, `norm_`, `loss_` and
+//! `embedding_` prefixes pick a group). Every tracked input is
 //! a `Var` and `loss = Σ out·W` for fixed random W; each gradient's max error relative to the CPU
 //! gradient's max magnitude is at most 1e-4 in f32 and 2e-2 in f16 and bf16. Fresh CUDA buffers
 //! are poisoned with NaN before every kernel (`set_poison`), so an element a kernel fails to write
@@ -374,6 +375,86 @@ fn norm_add_backward_matches_cpu() -> Result<()> {
                     format!("add_rms_norm {shape:?} {dtype:?} residual {residual} fp32 {fp32}");
                 compare(&name, tolerance(dtype), &vars, &[lw, lw_res], &loss)?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// Rows × vocabulary of the loss cases: one whose rows move 16 bytes at a time, one whose
+/// vocabulary (odd) makes them scalar, one of a single row.
+const LOSS_CASES: [(usize, usize); 3] = [(300, 8192), (77, 1001), (1, 50)];
+
+#[test]
+fn loss_cross_entropy_and_its_backward_match_cpu() -> Result<()> {
+    for (case, &(rows, vocab)) in LOSS_CASES.iter().enumerate() {
+        let mut rng = Rng::new(40 + case as u64);
+        let ids: Vec<u32> = (0..rows)
+            .map(|_| (rng.next_u64() % vocab as u64) as u32)
+            .collect();
+        for dtype in DTYPES {
+            let logits = rng
+                .tensor(&[rows, vocab], 4.0, &Device::Cpu)?
+                .to_dtype(dtype)?;
+            for id_dtype in [DType::U32, DType::I64, DType::U8] {
+                if id_dtype == DType::U8 && vocab > 256 {
+                    continue;
+                }
+                let targets = Tensor::new(ids.as_slice(), &Device::Cpu)?.to_dtype(id_dtype)?;
+                let name = format!("cross_entropy {rows}x{vocab} {dtype:?} ids {id_dtype:?}");
+                let loss = |v: &[Tensor], c: &[Tensor]| k::cross_entropy(&v[0], &c[0]);
+                let consts = [targets.clone()];
+                compare(&name, tolerance(dtype), &[logits.clone()], &consts, &loss)?;
+                let want = loss(&[logits.clone()], &consts)?.to_scalar::<f32>()?;
+                let dev = gpu();
+                let got = loss(&[logits.to_device(&dev)?], &[targets.to_device(&dev)?])?
+                    .to_scalar::<f32>()?;
+                let tol = if dtype == DType::F32 { 1e-5 } else { 1e-4 };
+                assert!(
+                    (got - want).abs() <= tol * want.abs().max(1.0),
+                    "{name}: loss {got} on CUDA, {want} on the CPU"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn loss_cross_entropy_of_a_target_outside_the_vocabulary_is_nan() -> Result<()> {
+    let dev = gpu();
+    let logits = Rng::new(7).tensor(&[4, 100], 1.0, &dev)?;
+    for bad in [
+        Tensor::new(&[1u32, 2, 100, 3], &dev)?,
+        Tensor::new(&[1i64, -1, 2, 3], &dev)?,
+    ] {
+        let loss = k::cross_entropy(&logits, &bad)?.to_scalar::<f32>()?;
+        assert!(loss.is_nan(), "target out of range: loss {loss}");
+    }
+    Ok(())
+}
+
+#[test]
+fn embedding_backward_matches_cpu() -> Result<()> {
+    // Ids that repeat within the batch (the scatter-add's atomics) and a row length that is no
+    // multiple of the program's threads; a dozen ids per row, as the CPU's bf16 index_add rounds
+    // after every add.
+    for (case, &(vocab, dim, rows)) in [(50usize, 384usize, 600usize), (7, 3, 34)]
+        .iter()
+        .enumerate()
+    {
+        let mut rng = Rng::new(60 + case as u64);
+        let ids: Vec<u32> = (0..rows)
+            .map(|_| (rng.next_u64() % vocab as u64) as u32)
+            .collect();
+        for dtype in DTYPES {
+            let weight = rng
+                .tensor(&[vocab, dim], 1.0, &Device::Cpu)?
+                .to_dtype(dtype)?;
+            let w_out = rng.tensor(&[2, rows / 2, dim], 1.0, &Device::Cpu)?;
+            let ids = Tensor::new(ids.as_slice(), &Device::Cpu)?.reshape((2, rows / 2))?;
+            let name = format!("embedding {vocab}x{dim}, {rows} ids, {dtype:?}");
+            let loss = |v: &[Tensor], c: &[Tensor]| weighted(&k::embedding(&v[0], &c[0])?, &c[1]);
+            compare(&name, tolerance(dtype), &[weight], &[ids, w_out], &loss)?;
         }
     }
     Ok(())

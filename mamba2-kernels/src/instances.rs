@@ -260,6 +260,24 @@ pub fn rms_norm_bwd(t: Ty, kind: RowKind) -> String {
     format!("rms_norm_bwd_{}_{}", t.name(), kind.name())
 }
 
+/// The types of target ids the loss kernels read: their suffix in kernel names and C type.
+pub const IDS: [(&str, &str); 2] = [("u32", "uint32_t"), ("i64", "int64_t")];
+
+/// The cross-entropy's forward: each row's NLL.
+pub fn nll_rows(t: Ty, ids: &str) -> String {
+    format!("nll_rows_{}_{ids}", t.name())
+}
+
+/// The cross-entropy's backward: the logits' gradient.
+pub fn dlogits(t: Ty, ids: &str) -> String {
+    format!("dlogits_{}_{ids}", t.name())
+}
+
+/// The embedding's backward (a scatter-add into f32 rows).
+pub fn embedding_bwd(t: Ty) -> String {
+    format!("embedding_bwd_{}", t.name())
+}
+
 /// matvec with `rows` × `cols` per program, 16-byte loads (`vec`) or scalar ones.
 pub fn matvec(t: Ty, rows: usize, cols: usize, vec: bool) -> String {
     let kind = if vec { "vec" } else { "scalar" };
@@ -394,6 +412,31 @@ pub fn instances() -> Vec<Instance> {
                     &with_rows(&[t.c(), r]),
                 );
             }
+        }
+        let name = embedding_bwd(t);
+        add(
+            &mut v,
+            "embedding/embedding",
+            name,
+            "EMBEDDING_BWD",
+            &[t.c()],
+        );
+        for (ids, c) in IDS {
+            let args = [t.c(), c];
+            add(
+                &mut v,
+                "loss/cross_entropy",
+                nll_rows(t, ids),
+                "NLL_ROWS",
+                &args,
+            );
+            add(
+                &mut v,
+                "loss/cross_entropy",
+                dlogits(t, ids),
+                "DLOGITS",
+                &args,
+            );
         }
         for (rows, cols) in MATVEC_TILES {
             let (r, c) = (rows.to_string(), cols.to_string());

@@ -21,13 +21,15 @@
 //! The rest of the mixer and block has ops of its own: [`causal_conv1d`] / [`causal_conv1d_step`]
 //! (depthwise causal conv with its rolling state, fused SiLU), [`gated_rms_norm`] (the per-group
 //! `norm(y·silu(z))`), [`add_rms_norm`] (residual add + RMSNorm) and [`matvec`] (a linear layer on
-//! a few rows: the projections of a decode step, at close to copy bandwidth on CUDA).
+//! a few rows: the projections of a decode step, at close to copy bandwidth on CUDA). Training
+//! adds [`cross_entropy`] (the loss, one pass over the logits each way) and [`embedding`] (the
+//! lookup, whose CUDA backward is a scatter-add).
 //!
 //! With the `timeline` feature the CUDA kernels record when their blocks pass a few marks, and
 //! `ssd_timeline` gives one call's timeline (`bench_ssd --cuda --timeline`).
 //!
 //! Every op family has one name at every level: its module here (`ssd`, `ssd_step`, `conv`,
-//! `norm`, `matvec`: the op structs, the public functions and their docs), its CPU code
+//! `norm`, `matvec`, `loss`, `embedding`: the op structs, the public functions and their docs), its CPU code
 //! (`<family>/cpu.rs`), its CUDA launcher (`<family>/cuda.rs`, or `ssd/cuda/<stage>.rs`), the
 //! launch choices it makes as pure, unit-tested functions (`<family>/plan.rs`) and its kernels
 //! (`kernels/<family>/*.cu`, with the kernel parameter structs in `kernels/<family>/params.cuh`). `instances.rs` lists every
@@ -39,6 +41,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dt;
+mod embedding;
 mod fastexp;
 // The list itself serves build.rs and the tests; the launchers take only the names.
 #[cfg_attr(not(test), allow(dead_code))]
@@ -58,6 +61,7 @@ pub use conv::{
 #[cfg(feature = "cuda")]
 pub use cuda::set_poison;
 pub use dt::DtOptions;
+pub use embedding::embedding;
 pub use loss::cross_entropy;
 pub use matvec::matvec;
 pub use norm::{add_rms_norm, gated_rms_norm};

@@ -20,9 +20,9 @@
 
 use std::path::Path;
 
-use candle_core::{bail, DType, Device, IndexOp, Module, Result, Tensor, D};
-use candle_nn::{Embedding, Linear, VarBuilder};
-use mamba2_kernels::{add_rms_norm, cross_entropy};
+use candle_core::{bail, DType, Device, IndexOp, Result, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+use mamba2_kernels::{add_rms_norm, cross_entropy, embedding};
 
 use crate::cache::Cache;
 use crate::checkpoint::{Checkpoint, ModelDir};
@@ -84,7 +84,8 @@ struct Block {
 #[derive(Debug)]
 pub struct Model {
     config: Config,
-    embedding: Embedding,
+    /// `[V, d_model]`.
+    embedding: Tensor,
     blocks: Vec<Block>,
     norm_f: Tensor,
     lm_head: Linear,
@@ -145,7 +146,7 @@ impl Model {
             .collect::<Result<_>>()?;
         Ok(Self {
             config: config.clone(),
-            embedding: Embedding::new(embedding, d),
+            embedding,
             blocks,
             norm_f: vb.get(d, "backbone.norm_f.weight")?,
             lm_head: Linear::new(lm_head, None),
@@ -290,7 +291,7 @@ impl Model {
             d => bail!("step: ids must have shape [B], got {d:?}"),
         };
         cache.check(&self.config, batch, self.dtype, &self.device)?;
-        let mut h = self.embedding.forward(ids)?;
+        let mut h = self.embed(ids)?;
         let mut residual = None;
         for (block, state) in self.blocks.iter().zip(cache.layers_mut()) {
             let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
@@ -364,7 +365,7 @@ impl Model {
         cache.check(&self.config, batch, self.dtype, &self.device)?;
         for start in (0..len).step_by(self.piece_len) {
             let n = self.piece_len.min(len - start);
-            let mut h = self.embedding.forward(&ids.narrow(1, start, n)?)?;
+            let mut h = self.embed(&ids.narrow(1, start, n)?)?;
             let mut residual = None;
             for (block, state) in self.blocks.iter().zip(cache.layers_mut()) {
                 let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
@@ -387,19 +388,23 @@ impl Model {
 
     /// [`Model::forward_train`] of ids already known to be u32 or i64 and inside the vocabulary.
     fn forward_train_checked(&self, ids: &Tensor) -> Result<Tensor> {
+        self.logits(&self.hidden_train(ids)?)
+    }
+
+    /// The final norm's output `[B,L,d_model]` of the training forward, before the LM head.
+    fn hidden_train(&self, ids: &Tensor) -> Result<Tensor> {
         match ids.dims() {
             &[_, l] if l > 0 => {}
             d => bail!("ids must have shape [B, L] with L >= 1, got {d:?}"),
         }
-        let mut h = self.embedding.forward(ids)?;
+        let mut h = self.embed(ids)?;
         let mut residual = None;
         for block in &self.blocks {
             let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
             residual = Some(r);
             h = block.mixer.forward_train(&normed)?;
         }
-        let (h, _) = self.norm(&h, residual.as_ref(), &self.norm_f)?;
-        self.logits(&h)
+        Ok(self.norm(&h, residual.as_ref(), &self.norm_f)?.0)
     }
 
     /// The mean next-token cross-entropy of `ids [B,L]` (L ≥ 2): the logits at positions
@@ -436,7 +441,10 @@ impl Model {
             &[b, l] if l >= 2 => (b, l),
             d => bail!("the loss needs ids of shape [B, L] with L >= 2, got {d:?}"),
         };
-        let logits = self.forward_train_checked(&ids.narrow(1, 0, l - 1)?)?;
+        // The loss reads the logits in the model's dtype and computes in f32: an f32 copy of the
+        // largest tensor of the step would cost a pass each way.
+        let h = self.hidden_train(&ids.narrow(1, 0, l - 1)?)?;
+        let logits = rows_linear(&self.lm_head, &h)?;
         let v = logits.dim(2)?;
         let targets = ids.narrow(1, 1, l - 1)?.to_dtype(DType::U32)?;
         cross_entropy(&logits.reshape((b * (l - 1), v))?, &targets.flatten_all()?)
@@ -483,6 +491,11 @@ impl Model {
             .unsqueeze(2)?;
         let picked = logp.gather(&targets.contiguous()?, 2)?;
         Ok(-picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?)
+    }
+
+    /// The embedding rows of `ids`.
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        embedding(&self.embedding, ids)
     }
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {

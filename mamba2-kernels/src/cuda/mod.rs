@@ -239,7 +239,12 @@ fn base_ptr<'a>(
         CudaStorageSlice::F32(v) => v.device_ptr(stream),
         CudaStorageSlice::F16(v) => v.device_ptr(stream),
         CudaStorageSlice::BF16(v) => v.device_ptr(stream),
-        _ => bail!("{op}: {name} must be f32, f16 or bf16, got {:?}", s.dtype()),
+        CudaStorageSlice::U32(v) => v.device_ptr(stream),
+        CudaStorageSlice::I64(v) => v.device_ptr(stream),
+        _ => bail!(
+            "{op}: {name} must be f32, f16, bf16 or (ids) u32, i64, got {:?}",
+            s.dtype()
+        ),
     })
 }
 

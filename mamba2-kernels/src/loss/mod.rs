@@ -8,18 +8,25 @@
 //!
 //! candle's composition (log-softmax, gather, mean, each with its backward) makes about a dozen
 //! passes over the `[R,V]` logits, the largest tensor of a training step; the op makes one in
-//! its forward (keeping lse_r) and one in its backward, parallel over rows. Logits f32, f16 or
-//! bf16 are computed in f32 and the loss is f32; f64 logits in f64. On CUDA the loss is
-//! candle's ops (no CUDA kernel yet), and the targets are checked there rather than read back
-//! to the host (which would wait for the forward queued before): a target out of range makes
-//! the loss NaN instead of an error.
+//! its forward and one in its backward, parallel over rows. Logits f32, f16 or bf16 are
+//! computed in f32 and the loss is f32; f64 logits in f64.
+//!
+//! On the CPU the op keeps lse_r for its backward. On CUDA (`kernels/loss/cross_entropy.cu`) it
+//! gives each row's NLL, whose mean is the loss, and its backward computes lse_r again from the
+//! row (a read that hits L2); the targets are checked there rather than read back to the host
+//! (which would wait for the forward queued before): a target out of range makes the loss NaN
+//! instead of an error. f64 logits on CUDA, and other devices, use candle's ops.
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
+};
 
 use crate::check;
 use crate::cpu::{gradient, view, wide, Held, Real};
@@ -94,9 +101,92 @@ impl CustomOp1 for CrossEntropy {
     }
 }
 
+/// Each row's NLL `[R]` (f32) of `logits [R, V]` against `targets [R]` (u32 or i64), recorded:
+/// the CUDA op.
+#[derive(Debug)]
+struct NllRows;
+
+impl CustomOp2 for NllRows {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("{OP}: the per-row op runs on CUDA; the CPU's is the recorded mean")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        t_s: &candle_core::CudaStorage,
+        t_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let nll = cuda::nll_rows((x_s, x_l), (t_s, t_l))?;
+        Ok((nll, Shape::from(x_l.dims()[0])))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _nll: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // The mean's gradient arrives broadcast from one value.
+        let grad = grad.to_dtype(DType::F32)?.contiguous()?;
+        let d = logits.apply_op3_no_bwd(targets, &grad, &DLogits)?;
+        Ok((Some(d), None))
+    }
+}
+
+/// The logits' gradient `[R, V]` from (logits, targets, per-row output gradient): the backward
+/// of [`NllRows`].
+#[derive(Debug)]
+struct DLogits;
+
+impl CustomOp3 for DLogits {
+    fn name(&self) -> &'static str {
+        "cross_entropy backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("{OP}: the per-row backward runs on CUDA")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        t_s: &candle_core::CudaStorage,
+        t_l: &Layout,
+        g_s: &candle_core::CudaStorage,
+        g_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dx = cuda::dlogits((x_s, x_l), (t_s, t_l), (g_s, g_l))?;
+        Ok((dx, x_l.shape().clone()))
+    }
+}
+
 /// The mean cross-entropy of `logits [R, V]` (f32, f16, bf16 or f64) against `targets [R]` (u8,
 /// u32 or i64 ids below V): a scalar, f32 (f64 for f64 logits), differentiable in the logits.
-/// A target outside `0..V` is an error on the CPU and makes the loss NaN on CUDA.
+/// A target outside `0..V` is an error on the CPU and makes the loss NaN on other devices.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -125,6 +215,19 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
             "{OP}: targets must be u8, u32 or i64 ids, got {:?}",
             targets.dtype()
         )
+    }
+    if logits.device().is_cuda() && !wide(logits.dtype()) {
+        let targets = match targets.dtype() {
+            DType::U8 => targets.to_dtype(DType::U32)?,
+            _ => targets.contiguous()?,
+        };
+        let logits = logits.contiguous()?;
+        let nll = if logits.track_op() {
+            logits.apply_op2(&targets, NllRows)?
+        } else {
+            logits.apply_op2_no_bwd(&targets, &NllRows)?
+        };
+        return nll.mean_all();
     }
     if !logits.device().is_cpu() {
         return composed(logits, targets, vocab);
