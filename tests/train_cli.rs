@@ -211,6 +211,61 @@ fn loss_falls_and_the_checkpoint_loads_and_scores_as_reported() -> Result<()> {
 }
 
 #[test]
+fn max_shard_mib_splits_the_saved_weights_into_shards_that_load() -> Result<()> {
+    let dir = scratch("shards");
+    let (data, config, out) = (
+        write_corpus(&dir, 3),
+        write_config(&dir, "small.json", 64, 4),
+        dir.join("out"),
+    );
+    let extra = [
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--heldout-books",
+        "1",
+        "--max-shard-mib",
+        "1",
+    ];
+    let outcome = run::train(&args(&data, &config, &out, &extra))?;
+    let mut shards: Vec<String> = std::fs::read_dir(&out)?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".safetensors") && n != checkpoint::MOMENTS)
+        .collect();
+    shards.sort();
+    let n = shards.len();
+    assert!(
+        n >= 2,
+        "2 MiB of embedding and the layers in 1 MiB shards: {shards:?}"
+    );
+    let want: Vec<String> = (1..=n)
+        .map(|i| format!("model-{i:05}-of-{n:05}.safetensors"))
+        .collect();
+    assert_eq!(shards, want);
+    assert!(out.join("model.safetensors.index.json").is_file());
+    for name in &shards {
+        let tensors = candle_core::safetensors::load(out.join(name), &Device::Cpu)?;
+        let data: usize = tensors.values().map(|t| t.elem_count() * 4).sum();
+        assert!(
+            tensors.len() == 1 || data <= 1 << 20,
+            "{name}: {} tensors, {data} bytes",
+            tensors.len()
+        );
+    }
+    let text = std::fs::read_to_string(&data)?;
+    let book = text.rsplit(data::EOT).next().unwrap_or_default();
+    let loaded = heldout_loss(&out, book, 32)?;
+    let reported = outcome.heldout_loss.unwrap_or(f64::NAN);
+    assert!(
+        (loaded - reported).abs() < 1e-6 * reported,
+        "loaded {loaded} vs reported {reported}"
+    );
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
 fn a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_does() -> Result<()> {
     let dir = scratch("resume");
     let (data, config) = (

@@ -33,9 +33,6 @@ pub const TOKENIZER: &str = "tokenizer.json";
 /// The `format` of `trainer_state.json`: a file of another format is not resumed.
 const FORMAT: &str = "mamba2 train checkpoint 1";
 
-/// Weight files above 2 GiB are sharded, as hubs keep single files below a few GiB.
-const SHARD_BYTES: usize = 2 << 30;
-
 /// Where a run stands, saved with every checkpoint.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainerState {
@@ -160,6 +157,8 @@ pub struct Checkpoint<'a> {
     pub tokenizer_json: &'a [u8],
     pub rows: &'a [Row],
     pub title: &'a str,
+    /// The largest weight file (`--max-shard-mib`).
+    pub shard_bytes: usize,
 }
 
 /// Writes `c` to `out` atomically (see the module doc).
@@ -170,7 +169,7 @@ pub fn save(out: &Path, c: &Checkpoint) -> Result<()> {
         fs::remove_dir_all(&staging).with_context(|| format!("removing {}", staging.display()))?;
     }
     c.trainable
-        .save(&staging, None, SHARD_BYTES)
+        .save(&staging, None, c.shard_bytes)
         .with_context(|| format!("saving the weights to {}", staging.display()))?;
     write_synced(&staging.join(TOKENIZER), c.tokenizer_json)?;
     let moments: HashMap<String, Tensor> = c.optimizer.state().into_iter().collect();

@@ -115,6 +115,11 @@ pub struct Args {
     /// Stop after this step with a checkpoint, as an interrupted run would (resume later)
     #[arg(long, allow_negative_numbers = true)]
     pub stop_after: Option<usize>,
+    /// Split the saved weights into safetensors shards of at most this many MiB of tensor data
+    /// each (a larger tensor alone in its shard), with `model.safetensors.index.json`, for
+    /// repositories that cap file sizes
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    pub max_shard_mib: u64,
 }
 
 /// The learning rate after the warm-up.

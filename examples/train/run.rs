@@ -448,6 +448,7 @@ pub fn train(args: &Args) -> Result<Outcome> {
                 tokenizer_json: &start.tokenizer_json,
                 rows: &rows,
                 title: &title,
+                shard_bytes: (args.max_shard_mib as usize) << 20,
             };
             checkpoint::save(&out, &c).with_context(|| {
                 format!("step {done}: saving the checkpoint to {}", out.display())
