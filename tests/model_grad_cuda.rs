@@ -2,8 +2,10 @@
 //! autograd (each fixture's `gradients.safetensors`, as `tests/model_grad.rs` reads them on the
 //! CPU; run on a GPU machine with `--features cuda`): f32 within 1e-4 relative. In bf16 compute
 //! (f32 master weights) every op's output is rounded (about 4e-3 each) and gradients summed over
-//! all tokens (D's, the tied embedding's) lose up to ~1e-1 to it wherever they are computed: the
-//! GPU's error on each tensor must stay within twice the CPU bf16 model's own, or 2e-2.
+//! all tokens (D's, the tied embedding's) lose up to ~1e-1 to it wherever they are computed. The
+//! CUDA SSD also feeds its tensor cores bf16 operands where the CPU keeps f32 (the chunk states
+//! and their gradients), so its sums over all tokens (D's, dt_bias's) carry more of it: the GPU's
+//! error on each tensor must stay within three times the CPU bf16 model's own, or 5e-2.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -86,20 +88,26 @@ fn every_parameter_gradient_matches_pytorch_in_f32() -> Result<()> {
 fn every_parameter_gradient_in_bf16_is_as_close_as_the_cpus() -> Result<()> {
     let gpu_errs = errors(DType::BF16, &gpu()?)?;
     let cpu_errs = errors(DType::BF16, &Device::Cpu)?;
-    let mut worst = (0f64, String::new());
-    for ((what, e), (_, cpu)) in gpu_errs.iter().zip(&cpu_errs) {
-        let bound = (2.0 * cpu).max(2e-2);
-        assert!(
-            *e <= bound,
-            "{what}: rel err {e:e} on CUDA, {cpu:e} on the CPU in bf16"
-        );
-        if e / bound > worst.0 {
-            worst = (
+    let mut rows: Vec<(f64, String)> = gpu_errs
+        .iter()
+        .zip(&cpu_errs)
+        .map(|((what, e), (_, cpu))| {
+            let bound = (3.0 * cpu).max(5e-2);
+            (
                 e / bound,
-                format!("{what}: {e:e} against the CPU's {cpu:e}"),
-            );
-        }
+                format!("{what}: {e:e} on CUDA, {cpu:e} on the CPU"),
+            )
+        })
+        .collect();
+    rows.sort_by(|a, b| b.0.total_cmp(&a.0));
+    for (ratio, what) in rows.iter().take(6) {
+        println!("bf16: {ratio:.2} of the bound, {what}");
     }
-    println!("bf16: closest to the bound {}", worst.1);
+    let over: Vec<&String> = rows.iter().filter(|r| r.0 > 1.0).map(|r| &r.1).collect();
+    assert!(
+        over.is_empty(),
+        "{} gradients beyond three times the CPU's bf16 error (or 5e-2): {over:#?}",
+        over.len()
+    );
     Ok(())
 }
