@@ -30,7 +30,9 @@ pub struct LayerState {
     pub ssm: Tensor,
 }
 
-/// The state of every layer for `batch` sequences, and how many tokens they have consumed.
+/// The state of every layer for `batch` sequences, and how many tokens each has consumed. Rows
+/// may come from different caches ([`Cache::join`]) and leave one ([`Cache::select`]): the
+/// sequences of a batch need not be equally long.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor};
@@ -60,8 +62,8 @@ pub struct LayerState {
 #[derive(Debug)]
 pub struct Cache {
     layers: Vec<LayerState>,
-    batch: usize,
-    tokens: usize,
+    /// Tokens consumed, per row.
+    tokens: Vec<usize>,
 }
 
 impl Cache {
@@ -89,8 +91,7 @@ impl Cache {
         device.synchronize()?;
         Ok(Self {
             layers,
-            batch,
-            tokens: 0,
+            tokens: vec![0; batch],
         })
     }
 
@@ -106,12 +107,18 @@ impl Cache {
 
     /// The number of sequences.
     pub fn batch_size(&self) -> usize {
-        self.batch
+        self.tokens.len()
     }
 
-    /// Tokens consumed per sequence since creation or the last [`Cache::reset`].
+    /// Tokens consumed per sequence since creation or the last [`Cache::reset`]: the most any
+    /// row has consumed when rows of different lengths were joined ([`Cache::row_tokens`]).
     pub fn tokens(&self) -> usize {
-        self.tokens
+        self.tokens.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Tokens consumed by each row.
+    pub fn row_tokens(&self) -> &[usize] {
+        &self.tokens
     }
 
     /// The per-layer states.
@@ -124,7 +131,9 @@ impl Cache {
     }
 
     pub(crate) fn advance(&mut self, tokens: usize) {
-        self.tokens += tokens;
+        for t in &mut self.tokens {
+            *t += tokens;
+        }
     }
 
     /// Zeroes every state in place: the cache then holds an empty prefix again.
@@ -133,7 +142,7 @@ impl Cache {
             l.conv.zero_set()?;
             l.ssm.zero_set()?;
         }
-        self.tokens = 0;
+        self.tokens.fill(0);
         Ok(())
     }
 
@@ -151,8 +160,104 @@ impl Cache {
             .collect::<Result<_>>()?;
         Ok(Self {
             layers,
-            batch: self.batch,
-            tokens: self.tokens,
+            tokens: self.tokens.clone(),
+        })
+    }
+
+    /// The rows of `parts`, in order, as one cache: sequences prefilled apart (of any lengths)
+    /// decode together. The parts must be of one model, dtype and device.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device};
+    /// use mamba2_model::{Cache, Config};
+    ///
+    /// let config = Config::from_json(
+    ///     r#"{"hidden_size": 64, "num_heads": 2, "n_groups": 1, "state_size": 16,
+    ///         "num_hidden_layers": 1}"#,
+    /// )?;
+    /// let one = Cache::new(&config, 1, DType::F32, &Device::Cpu)?;
+    /// let two = Cache::new(&config, 2, DType::F32, &Device::Cpu)?;
+    /// let all = Cache::join(&[one, two])?;
+    /// assert_eq!(all.batch_size(), 3);
+    /// // Rows leave in any order: here the third, then the first.
+    /// let kept = all.select(&[2, 0])?;
+    /// assert_eq!(kept.layers()[0].ssm.dims(), [2, 2, 64, 16]);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn join(parts: &[Cache]) -> Result<Self> {
+        let Some(first) = parts.first() else {
+            bail!("cache join: no caches to join")
+        };
+        let n = first.layers.len();
+        for (i, part) in parts.iter().enumerate() {
+            let fits = part.layers.len() == n
+                && part.layers.iter().zip(&first.layers).all(|(a, b)| {
+                    a.conv.dims()[1..] == b.conv.dims()[1..]
+                        && a.ssm.dims()[1..] == b.ssm.dims()[1..]
+                        && a.conv.dtype() == b.conv.dtype()
+                        && a.conv.device().same_device(b.conv.device())
+                });
+            if !fits {
+                bail!(
+                    "cache join: cache {i} was made for another model than cache 0 (layers, state \
+                     shapes, dtype or device differ)"
+                )
+            }
+        }
+        let layers = (0..n)
+            .map(|l| {
+                let cat = |f: fn(&LayerState) -> &Tensor| {
+                    let ts: Vec<&Tensor> = parts.iter().map(|p| f(&p.layers[l])).collect();
+                    Tensor::cat(&ts, 0)
+                };
+                Ok(LayerState {
+                    conv: cat(|s| &s.conv)?,
+                    ssm: cat(|s| &s.ssm)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            tokens: parts
+                .iter()
+                .flat_map(|p| p.tokens.iter().copied())
+                .collect(),
+        })
+    }
+
+    /// A cache of the rows `rows` of this one, in that order (each at most once).
+    pub fn select(&self, rows: &[usize]) -> Result<Self> {
+        let batch = self.batch_size();
+        if rows.is_empty() {
+            bail!("cache select: no rows given (a cache holds at least one sequence)")
+        }
+        let mut seen = vec![false; batch];
+        for &r in rows {
+            match seen.get_mut(r) {
+                Some(s) if !*s => *s = true,
+                Some(_) => bail!("cache select: row {r} is given twice"),
+                None => bail!("cache select: row {r} is out of range for {batch} rows"),
+            }
+        }
+        let device = match self.layers.first() {
+            Some(l) => l.ssm.device().clone(),
+            None => bail!("cache select: the cache has no layers"),
+        };
+        let index: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let index = Tensor::new(index.as_slice(), &device)?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerState {
+                    conv: l.conv.index_select(&index, 0)?,
+                    ssm: l.ssm.index_select(&index, 0)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            tokens: rows.iter().map(|&r| self.tokens[r]).collect(),
         })
     }
 
@@ -164,14 +269,14 @@ impl Cache {
         dtype: DType,
         device: &Device,
     ) -> Result<()> {
-        if batch != self.batch {
+        if batch != self.batch_size() {
             bail!(
                 "the input has batch size {batch} but the cache was made for {}",
-                self.batch
+                self.batch_size()
             )
         }
-        let conv = [self.batch, config.conv_dim(), config.d_conv];
-        let ssm = [self.batch, config.nheads, config.headdim, config.d_state];
+        let conv = [batch, config.conv_dim(), config.d_conv];
+        let ssm = [batch, config.nheads, config.headdim, config.d_state];
         let fits = self.layers.len() == config.n_layer
             && self.layers.iter().all(|l| {
                 l.conv.dims() == conv
