@@ -22,7 +22,7 @@ use candle_core::{bail, Result, Tensor};
 use tokenizers::Tokenizer;
 
 use crate::model::check_vocab;
-use crate::{Cache, Config, Model, Sampler, SamplingParams, TextStream};
+use crate::{Batch, Cache, Config, Model, Sampler, SamplingParams, TextStream};
 
 /// What to generate and when to stop.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -182,6 +182,45 @@ impl<'a> Generator<'a> {
         &self.config
     }
 
+    pub fn model(&self) -> &'a Model {
+        self.model
+    }
+
+    pub fn tokenizer(&self) -> &'a Tokenizer {
+        self.tokenizer
+    }
+
+    /// An empty [`Batch`]: prompts added to it generate together, with this generator's
+    /// configuration, each stopping on its own.
+    pub fn batch(&'a self) -> Batch<'a> {
+        Batch::new(self)
+    }
+
+    /// Generates from every prompt together ([`Batch`]), calling `on_text(i, piece)` with each
+    /// newly complete piece of prompt `i`'s text; returns the generations in the prompts' order.
+    pub fn generate_batch(
+        &'a self,
+        prompts: &[&str],
+        mut on_text: impl FnMut(usize, &str) -> Result<()>,
+    ) -> Result<Vec<Generation>> {
+        let mut batch = self.batch();
+        for prompt in prompts {
+            batch.add(prompt)?;
+        }
+        let mut done: Vec<Option<Generation>> = vec![None; prompts.len()];
+        while !batch.is_empty() {
+            for (id, generation) in batch.step(&mut on_text)? {
+                done[id] = Some(generation);
+            }
+        }
+        done.into_iter()
+            .enumerate()
+            .map(|(i, g)| {
+                g.ok_or_else(|| candle_core::Error::msg(format!("prompt {i} did not finish")))
+            })
+            .collect()
+    }
+
     /// Encodes `prompt` (with the tokenizer's special tokens) and generates from it.
     pub fn generate(
         &self,
@@ -316,14 +355,14 @@ impl<'m> Decoder<'m> {
 
 /// Passes text on, cutting it before the first stop string and holding back any tail that may
 /// still grow into one.
-struct StopFilter<'s> {
+pub(crate) struct StopFilter<'s> {
     stops: &'s [String],
-    text: String,
+    pub(crate) text: String,
     emitted: usize,
 }
 
 impl<'s> StopFilter<'s> {
-    fn new(stops: &'s [String]) -> Self {
+    pub(crate) fn new(stops: &'s [String]) -> Self {
         Self {
             stops,
             text: String::new(),
@@ -332,7 +371,11 @@ impl<'s> StopFilter<'s> {
     }
 
     /// Adds `piece`, emits what is safe; returns true when a stop string appeared.
-    fn push(&mut self, piece: &str, emit: &mut impl FnMut(&str) -> Result<()>) -> Result<bool> {
+    pub(crate) fn push(
+        &mut self,
+        piece: &str,
+        emit: &mut impl FnMut(&str) -> Result<()>,
+    ) -> Result<bool> {
         if piece.is_empty() {
             return Ok(false);
         }
@@ -364,7 +407,7 @@ impl<'s> StopFilter<'s> {
     }
 
     /// Emits everything still held back.
-    fn finish(&mut self, emit: &mut impl FnMut(&str) -> Result<()>) -> Result<()> {
+    pub(crate) fn finish(&mut self, emit: &mut impl FnMut(&str) -> Result<()>) -> Result<()> {
         if self.text.len() > self.emitted {
             emit(&self.text[self.emitted..])?;
             self.emitted = self.text.len();

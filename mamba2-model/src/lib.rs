@@ -1,8 +1,10 @@
 //! The Mamba-2 language model on the `mamba2-kernels` ops: configuration ([`Config`], both
 //! `config.json` formats), checkpoint loading ([`Checkpoint`]: safetensors, sharded or not, and
 //! PyTorch pickles), the model ([`Model`]: prefill in bounded pieces and one-token decode over a
-//! [`Cache`]; with `cuda`, `DecodeGraph` replays a decode step as a CUDA graph) and text generation ([`Generator`], with [`Sampler`] and the UTF-8-safe
-//! [`TextStream`]); [`hub`] downloads model directories from the Hugging Face Hub.
+//! [`Cache`]; with `cuda`, `DecodeGraph` replays a decode step as a CUDA graph) and text
+//! generation ([`Generator`]; [`Batch`] for many prompts at once, with continuous batching; with
+//! [`Sampler`] and the UTF-8-safe [`TextStream`]); [`hub`] downloads model directories from the
+//! Hugging Face Hub.
 //!
 //! Bad input is an error, not a panic nor wrong numbers: token ids are checked against the
 //! vocabulary before any kernel runs, sampling parameters when a [`Sampler`] or [`Generator`] is
@@ -10,6 +12,7 @@
 //! [`Model`] may serve many threads, each with its own [`Cache`]; the rules for moving work
 //! between threads on CUDA are under "Threads" on [`Model`].
 
+mod batch;
 mod cache;
 mod checkpoint;
 mod config;
@@ -25,6 +28,7 @@ mod text_stream;
 mod tokenizer;
 mod train;
 
+pub use batch::Batch;
 pub use cache::{Cache, LayerState};
 pub use checkpoint::{Checkpoint, PYTORCH_BIN, SAFETENSORS, SHARD_INDEX};
 pub use config::{Config, ConfigFormat};

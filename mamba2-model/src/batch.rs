@@ -1,0 +1,259 @@
+//! Generation for many prompts at once: continuous batching at the library level.
+//!
+//! ```text
+//! add(prompt):  prefill it alone → its cache row and next-token logits join the batch
+//! step():       for every sequence: t = sample(its logits, its history)
+//!                   stop on EOS, a stop string or max_new_tokens → it leaves the batch
+//!               logits = model.step(t of the sequences left)        one decode for all
+//! ```
+//!
+//! Each sequence has its own sampler (seeded from the config, as a lone [`Generator::generate`]
+//! would be), history, text stream and stop filter, so a sequence generates what it would alone:
+//! the same tokens under greedy decoding, up to the last bits of the batched products. Sequences
+//! may join between any two steps and leave as soon as they stop. Decode steps run eagerly (on
+//! CUDA no captured graph: the batch changes shape as sequences come and go).
+
+use std::time::Instant;
+
+use candle_core::{bail, Result, Tensor};
+
+use crate::generator::StopFilter;
+use crate::model::check_vocab;
+use crate::{Cache, Generation, Generator, Sampler, StopReason, TextStream};
+
+/// One sequence of a batch.
+struct Sequence<'g> {
+    id: usize,
+    prompt_tokens: usize,
+    history: Vec<u32>,
+    tokens: Vec<u32>,
+    sampler: Sampler,
+    stream: TextStream<'g>,
+    out: StopFilter<'g>,
+    prefill_secs: f64,
+    decode_steps: usize,
+    decode_secs: f64,
+}
+
+impl Sequence<'_> {
+    fn finish(self, stop: StopReason) -> (usize, Generation) {
+        let generation = Generation {
+            text: self.out.text,
+            tokens: self.tokens,
+            stop,
+            prompt_tokens: self.prompt_tokens,
+            prefill_secs: self.prefill_secs,
+            decode_steps: self.decode_steps,
+            decode_secs: self.decode_secs,
+        };
+        (self.id, generation)
+    }
+}
+
+/// A batch of sequences generating together (see the module doc); made by [`Generator::batch`].
+///
+/// Two prompts of different lengths, greedy, each as it would be alone:
+///
+/// ```
+/// use candle_core::{DType, Device};
+/// use mamba2_model::{load_tokenizer, GenerationConfig, Generator, Model};
+///
+/// let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../weights");
+/// let model = Model::load(dir, DType::F32, &Device::Cpu)?;
+/// let tokenizer = load_tokenizer(format!("{dir}/tokenizer.json"))?;
+/// let config = GenerationConfig { max_new_tokens: 4, ..Default::default() };
+/// let generator = Generator::new(&model, &tokenizer, config)?;
+///
+/// let prompts = ["It was a dark and stormy night", "Elizabeth said"];
+/// let together = generator.generate_batch(&prompts, |_, _| Ok(()))?;
+/// for (prompt, generation) in prompts.iter().zip(&together) {
+///     assert_eq!(generation.tokens, generator.generate(prompt, |_| Ok(()))?.tokens);
+/// }
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub struct Batch<'g> {
+    generator: &'g Generator<'g>,
+    /// Active sequences, in the order of the cache's rows and the logits' rows.
+    seqs: Vec<Sequence<'g>>,
+    cache: Option<Cache>,
+    /// `[B, V]` next-token logits of the active sequences.
+    logits: Option<Tensor>,
+    next_id: usize,
+}
+
+impl<'g> Batch<'g> {
+    pub(crate) fn new(generator: &'g Generator<'g>) -> Self {
+        Self {
+            generator,
+            seqs: Vec::new(),
+            cache: None,
+            logits: None,
+            next_id: 0,
+        }
+    }
+
+    /// Sequences still generating.
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Encodes `prompt` (with the tokenizer's special tokens) and adds it: see
+    /// [`Batch::add_ids`].
+    pub fn add(&mut self, prompt: &str) -> Result<usize> {
+        let enc = self
+            .generator
+            .tokenizer()
+            .encode(prompt, true)
+            .map_err(|e| candle_core::Error::msg(format!("cannot encode the prompt: {e}")))?;
+        self.add_ids(enc.get_ids())
+    }
+
+    /// Prefills the prompt ids and adds the sequence, which takes part in the next
+    /// [`Batch::step`]; returns its id (0, 1, … in the order of adding). The ids are checked
+    /// against the vocabulary before anything runs.
+    pub fn add_ids(&mut self, prompt: &[u32]) -> Result<usize> {
+        if prompt.is_empty() {
+            bail!("the prompt has no tokens")
+        }
+        let model = self.generator.model();
+        let vocab = model.config().vocab_size;
+        check_vocab(
+            prompt.iter().map(|&t| i64::from(t)),
+            &[prompt.len()],
+            "prompt",
+            vocab,
+        )?;
+        let config = self.generator.config();
+        let sampler = Sampler::new(config.sampling)?;
+        let start = Instant::now();
+        let mut cache = model.new_cache(1)?;
+        let ids = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
+        let logits = model.prefill_checked(&ids, &mut cache)?;
+        model.device().synchronize()?;
+        let prefill_secs = start.elapsed().as_secs_f64();
+        let (cache, logits) = match (self.cache.take(), self.logits.take()) {
+            (Some(c), Some(l)) => (Cache::join(&[c, cache])?, Tensor::cat(&[&l, &logits], 0)?),
+            _ => (cache, logits),
+        };
+        self.cache = Some(cache);
+        self.logits = Some(logits);
+        let id = self.next_id;
+        self.next_id += 1;
+        let tokenizer = self.generator.tokenizer();
+        self.seqs.push(Sequence {
+            id,
+            prompt_tokens: prompt.len(),
+            history: prompt.to_vec(),
+            tokens: Vec::new(),
+            sampler,
+            stream: TextStream::with_context(tokenizer, prompt),
+            out: StopFilter::new(&config.stop_strings),
+            prefill_secs,
+            decode_steps: 0,
+            decode_secs: 0.0,
+        });
+        Ok(id)
+    }
+
+    /// One token for every sequence: each samples from its logits, streams its newly complete
+    /// text to `on_text(id, piece)` and leaves the batch if it stopped; the rest take one decode
+    /// step together. Returns the sequences that finished, with their generations.
+    pub fn step(
+        &mut self,
+        mut on_text: impl FnMut(usize, &str) -> Result<()>,
+    ) -> Result<Vec<(usize, Generation)>> {
+        let (Some(cache), Some(logits)) = (self.cache.take(), self.logits.take()) else {
+            return Ok(Vec::new());
+        };
+        let config = self.generator.config();
+        let mut keep = Vec::with_capacity(self.seqs.len());
+        let mut next = Vec::with_capacity(self.seqs.len());
+        let mut stopped = Vec::new();
+        for (row, seq) in self.seqs.iter_mut().enumerate() {
+            let i = seq.tokens.len();
+            let at_step = |e: candle_core::Error| {
+                candle_core::Error::msg(format!(
+                    "sequence {}, generation step {i} (the logits after the {}-token prompt and \
+                     {i} generated tokens): {e}",
+                    seq.id, seq.prompt_tokens
+                ))
+            };
+            let id = seq.id;
+            let mut emit = |piece: &str| on_text(id, piece);
+            let mut token = 0;
+            let stop = if config.max_new_tokens == 0 {
+                Some(StopReason::MaxNewTokens)
+            } else {
+                token = seq
+                    .sampler
+                    .sample(&logits.get(row)?, &seq.history)
+                    .map_err(at_step)?;
+                None
+            };
+            let stop = if stop.is_some() {
+                stop
+            } else if config.eos_token_ids.contains(&token) {
+                Some(StopReason::Eos)
+            } else {
+                seq.history.push(token);
+                seq.tokens.push(token);
+                if seq.out.push(&seq.stream.push(token)?, &mut emit)? {
+                    Some(StopReason::StopString)
+                } else if seq.tokens.len() >= config.max_new_tokens {
+                    Some(StopReason::MaxNewTokens)
+                } else {
+                    None
+                }
+            };
+            match stop {
+                Some(StopReason::StopString) => stopped.push((row, StopReason::StopString)),
+                Some(reason) => {
+                    let stop = if seq.out.push(&seq.stream.flush()?, &mut emit)? {
+                        StopReason::StopString
+                    } else {
+                        seq.out.finish(&mut emit)?;
+                        reason
+                    };
+                    stopped.push((row, stop));
+                }
+                None => {
+                    keep.push(row);
+                    next.push(token);
+                }
+            }
+        }
+        let mut finished = Vec::with_capacity(stopped.len());
+        let mut seqs: Vec<Option<Sequence>> = self.seqs.drain(..).map(Some).collect();
+        for (row, stop) in stopped {
+            if let Some(seq) = seqs[row].take() {
+                finished.push(seq.finish(stop));
+            }
+        }
+        self.seqs = seqs.into_iter().flatten().collect();
+        if keep.is_empty() {
+            return Ok(finished);
+        }
+        let mut cache = if keep.len() == cache.batch_size() {
+            cache
+        } else {
+            cache.select(&keep)?
+        };
+        let model = self.generator.model();
+        let start = Instant::now();
+        let ids = Tensor::new(next.as_slice(), model.device())?;
+        let logits = model.step_checked(&ids, &mut cache)?;
+        model.device().synchronize()?;
+        let secs = start.elapsed().as_secs_f64();
+        for seq in &mut self.seqs {
+            seq.decode_steps += 1;
+            seq.decode_secs += secs;
+        }
+        self.cache = Some(cache);
+        self.logits = Some(logits);
+        Ok(finished)
+    }
+}
