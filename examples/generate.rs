@@ -4,7 +4,14 @@
 //! cargo run --release --example generate -- --prompt "It was a dark and stormy night"
 //! cargo run --release --example generate -- --model-id state-spaces/mamba2-130m --prompt "Hi"
 //! cargo run --release --example generate -- --weights tests/fixtures/mamba2-130m-hf --prompt hello
+//! cargo run --release --example generate -- --prompt-file prompts.txt --max-new-tokens 50
 //! ```
+//!
+//! `--prompt-file FILE` generates for every line of the file at once (blank lines are skipped):
+//! the prompts are prefilled one by one and decode together, each stopping on its own (a
+//! `mamba2::model::Batch`). Every completion streams to stdout line by line, each line labelled
+//! `[N]` with its prompt's line number; each one's stats line and then the batch's (prompts,
+//! tokens, tokens/s) go to stderr.
 //!
 //! The tokenizer is `--tokenizer FILE`, else the model's `tokenizer.json` (for `--model-id`
 //! without one, `--tokenizer-id`'s). A directory without a tokenizer still runs: with a
@@ -19,20 +26,93 @@
 mod common;
 
 use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Parser;
 use mamba2::model::{
     byte_tokenizer, eos_token_ids, id_tokenizer, GenerationConfig, Generator, SamplingParams,
     BYTE_VOCAB,
 };
 
+/// The prompts of `file`: (line number, text) of every non-blank line.
+fn read_prompts(file: &Path) -> Result<Vec<(usize, String)>> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading the prompt file {}", file.display()))?;
+    let prompts: Vec<(usize, String)> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, l.to_string()))
+        .collect();
+    if prompts.is_empty() {
+        bail!(
+            "the prompt file {} has no prompts (no non-blank lines)",
+            file.display()
+        )
+    }
+    Ok(prompts)
+}
+
+/// Generates for all `prompts` together, streaming each completion's complete lines labelled
+/// with its line number.
+fn generate_file(generator: &Generator, prompts: &[(usize, String)]) -> Result<()> {
+    let start = Instant::now();
+    let mut batch = generator.batch();
+    let mut pending: Vec<String> = Vec::with_capacity(prompts.len());
+    for (line, prompt) in prompts {
+        batch
+            .add(prompt)
+            .with_context(|| format!("prompt on line {line}"))?;
+        pending.push(prompt.clone());
+    }
+    let prefill_secs = start.elapsed().as_secs_f64();
+    let mut stdout = std::io::stdout();
+    let mut print_lines = |i: usize, text: &mut String, all: bool| -> std::io::Result<()> {
+        while let Some(end) = text.find('\n') {
+            writeln!(stdout, "[{}] {}", prompts[i].0, &text[..end])?;
+            text.drain(..=end);
+        }
+        if all && !text.is_empty() {
+            writeln!(stdout, "[{}] {}", prompts[i].0, text)?;
+            text.clear();
+        }
+        stdout.flush()
+    };
+    let (mut generated, mut prompt_tokens) = (0, 0);
+    while !batch.is_empty() {
+        let finished = batch.step(|i, piece| {
+            pending[i].push_str(piece);
+            print_lines(i, &mut pending[i], false)?;
+            Ok(())
+        })?;
+        for (i, generation) in finished {
+            print_lines(i, &mut pending[i], true)?;
+            eprintln!("[{}] {generation}", prompts[i].0);
+            generated += generation.tokens.len();
+            prompt_tokens += generation.prompt_tokens;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!(
+        "batch: {} prompts, {prompt_tokens} prompt tokens prefilled in {prefill_secs:.2} s, \
+         {generated} tokens generated in {secs:.2} s in all: {:.1} tokens/s",
+        prompts.len(),
+        generated as f64 / secs.max(f64::MIN_POSITIVE)
+    );
+    Ok(())
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a Mamba-2 model")]
 struct Args {
     /// The prompt text
-    #[arg(long, conflicts_with = "prompt_ids")]
+    #[arg(long, conflicts_with_all = ["prompt_ids", "prompt_file"])]
     prompt: Option<String>,
+    /// Generate for every line of this file at once (one prompt per line)
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt_file: Option<std::path::PathBuf>,
     /// The prompt as token ids, e.g. 1,2,3 (for models without a tokenizer)
     #[arg(long, value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
@@ -69,6 +149,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let prompts = args.prompt_file.as_deref().map(read_prompts).transpose()?;
     let mut config = GenerationConfig {
         max_new_tokens: args.max_new_tokens,
         sampling: SamplingParams {
@@ -87,6 +168,12 @@ fn main() -> Result<()> {
     let loaded = args.model.load()?;
     let model = &loaded.model;
     let vocab = model.config().vocab_size;
+    if prompts.is_some() && loaded.tokenizer.is_none() {
+        bail!(
+            "{} has no tokenizer.json: --prompt-file needs one (pass --tokenizer FILE)",
+            loaded.dir.display()
+        )
+    }
     let tokenizer = match (loaded.tokenizer, &args.prompt_ids) {
         (Some(t), _) => t,
         (None, Some(_)) => {
@@ -113,6 +200,9 @@ fn main() -> Result<()> {
         config.eos_token_ids = eos_token_ids(model.config(), &tokenizer);
     }
     let generator = Generator::new(model, &tokenizer, config)?;
+    if let Some(prompts) = &prompts {
+        return generate_file(&generator, prompts);
+    }
     let mut stdout = std::io::stdout();
     let mut print = |text: &str| -> candle_core::Result<()> {
         stdout.write_all(text.as_bytes())?;
@@ -129,7 +219,9 @@ fn main() -> Result<()> {
             print(prompt)?;
             generator.generate(prompt, &mut print)?
         }
-        (None, None) => bail!("give a prompt with --prompt TEXT or --prompt-ids 1,2,3"),
+        (None, None) => {
+            bail!("give a prompt with --prompt TEXT, --prompt-ids 1,2,3 or --prompt-file FILE")
+        }
     };
     println!();
     eprintln!("{generation}");
