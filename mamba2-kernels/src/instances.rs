@@ -536,8 +536,22 @@ mod tests {
             "conv/causal_conv1d",
             "norm/rms_norm",
             "matvec/matvec",
+            "loss/cross_entropy",
+            "embedding/embedding",
         ];
         assert_eq!(files, want.into_iter().collect());
+    }
+
+    #[test]
+    fn every_loss_and_embedding_kernel_is_instantiated() {
+        let names: HashSet<String> = instances().into_iter().map(|k| k.name).collect();
+        for t in VALUES {
+            assert!(names.contains(&embedding_bwd(t)), "{t:?}");
+            for (ids, _) in IDS {
+                assert!(names.contains(&nll_rows(t, ids)), "{t:?} {ids}");
+                assert!(names.contains(&dlogits(t, ids)), "{t:?} {ids}");
+            }
+        }
     }
 
     #[test]
