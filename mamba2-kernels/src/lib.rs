@@ -56,7 +56,8 @@ mod ssd_step;
 
 pub use check::{MAX_CHUNK_SIZE, MAX_DIM};
 pub use conv::{
-    causal_conv1d, causal_conv1d_split, causal_conv1d_step, causal_conv1d_step_split, ConvOptions,
+    causal_conv1d, causal_conv1d_split, causal_conv1d_split_packed, causal_conv1d_step,
+    causal_conv1d_step_split, ConvOptions,
 };
 #[cfg(feature = "cuda")]
 pub use cuda::set_poison;
@@ -66,7 +67,8 @@ pub use loss::cross_entropy;
 pub use matvec::matvec;
 pub use norm::{add_rms_norm, gated_rms_norm};
 pub use ssd::{
-    chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_backward, ssd_xbc, SsdGrads, SsdOptions,
+    chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_backward, ssd_packed, ssd_xbc, SsdGrads,
+    SsdOptions,
 };
 #[cfg(feature = "timeline")]
 pub use ssd::{ssd_timeline, ssd_timeline_reset, TimelineMark};

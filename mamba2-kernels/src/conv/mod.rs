@@ -23,7 +23,10 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod grad;
+mod packed;
 mod plan;
+
+pub use packed::causal_conv1d_split_packed;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{

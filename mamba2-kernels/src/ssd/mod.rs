@@ -32,6 +32,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod grad;
+mod packed;
 mod plan;
 mod stages;
 
@@ -46,6 +47,7 @@ use crate::DtOptions;
 
 #[cfg(feature = "timeline")]
 pub use cuda::timeline::{ssd_timeline, ssd_timeline_reset, TimelineMark};
+pub use packed::ssd_packed;
 pub use stages::{chunk_cumsum, compute_out, fwd_pass_state};
 
 /// Options of [`ssd`]; `Default` is chunk 256, f32 states and mamba_ssm's defaults.
