@@ -8,8 +8,8 @@
 //! ```
 //!
 //! `--prompt-file FILE` generates for every line of the file at once (blank lines are skipped):
-//! the prompts are prefilled one by one and decode together, each stopping on its own (a
-//! `mamba2::model::Batch`). Every completion streams to stdout line by line, each line labelled
+//! the prompts are prefilled packed in one call and decode together, each stopping on its own
+//! (a `mamba2::model::Batch`). Every completion streams to stdout line by line, each line labelled
 //! `[N]` with its prompt's line number; each one's stats line and then the batch's (prompts,
 //! tokens, tokens/s) go to stderr.
 //!
@@ -60,13 +60,11 @@ fn read_prompts(file: &Path) -> Result<Vec<(usize, String)>> {
 fn generate_file(generator: &Generator, prompts: &[(usize, String)]) -> Result<()> {
     let start = Instant::now();
     let mut batch = generator.batch();
-    let mut pending: Vec<String> = Vec::with_capacity(prompts.len());
-    for (line, prompt) in prompts {
-        batch
-            .add(prompt)
-            .with_context(|| format!("prompt on line {line}"))?;
-        pending.push(prompt.clone());
-    }
+    let texts: Vec<&str> = prompts.iter().map(|(_, p)| p.as_str()).collect();
+    batch
+        .add_many(&texts)
+        .context("prefilling the prompts (prompt i is the i-th non-blank line, from 0)")?;
+    let mut pending: Vec<String> = texts.iter().map(|p| p.to_string()).collect();
     let prefill_secs = start.elapsed().as_secs_f64();
     let mut stdout = std::io::stdout();
     let mut print_lines = |i: usize, text: &mut String, all: bool| -> std::io::Result<()> {

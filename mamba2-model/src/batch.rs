@@ -1,7 +1,8 @@
 //! Generation for many prompts at once: continuous batching at the library level.
 //!
 //! ```text
-//! add(prompt):  prefill it alone → its cache row and next-token logits join the batch
+//! add(prompt):  prefill it → its cache row and next-token logits join the batch
+//! add_many(ps):  the same for many prompts, prefilled packed in one row (Model::prefill_packed)
 //! step():       for every sequence: t = sample(its logits, its history)
 //!                   stop on EOS, a stop string or max_new_tokens → it leaves the batch
 //!               logits = model.step(t of the sequences left)        one decode for all
@@ -121,42 +122,84 @@ impl<'g> Batch<'g> {
         }
         let model = self.generator.model();
         let vocab = model.config().vocab_size;
-        check_vocab(
-            prompt.iter().map(|&t| i64::from(t)),
-            &[prompt.len()],
-            "prompt",
-            vocab,
-        )?;
-        let config = self.generator.config();
-        let sampler = Sampler::new(config.sampling)?;
+        let ids = prompt.iter().map(|&t| i64::from(t));
+        check_vocab(ids, &[prompt.len()], "prompt", vocab)?;
         let start = Instant::now();
         let mut cache = model.new_cache(1)?;
         let ids = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
         let logits = model.prefill_checked(&ids, &mut cache)?;
         model.device().synchronize()?;
-        let prefill_secs = start.elapsed().as_secs_f64();
+        let secs = start.elapsed().as_secs_f64();
+        self.join(&[prompt], cache, logits, secs)
+    }
+
+    /// Encodes the prompts (with the tokenizer's special tokens) and adds them with one packed
+    /// prefill ([`Batch::add_many_ids`]); returns the first one's id (the others follow).
+    pub fn add_many(&mut self, prompts: &[&str]) -> Result<usize> {
+        let encoded = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let enc = self.generator.tokenizer().encode(*p, true).map_err(|e| {
+                    candle_core::Error::msg(format!("cannot encode prompt {i}: {e}"))
+                })?;
+                Ok(enc.get_ids().to_vec())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<&[u32]> = encoded.iter().map(Vec::as_slice).collect();
+        self.add_many_ids(&ids)
+    }
+
+    /// Prefills the prompts packed into one row in one call ([`crate::Model::prefill_packed`],
+    /// no padding) and adds them in order, as [`Batch::add_ids`] would one by one; returns the
+    /// first one's id (the others follow). Each sequence's prefill time is the whole call's.
+    pub fn add_many_ids(&mut self, prompts: &[&[u32]]) -> Result<usize> {
+        let model = self.generator.model();
+        let start = Instant::now();
+        let (logits, cache) = model.prefill_packed(prompts)?;
+        model.device().synchronize()?;
+        let secs = start.elapsed().as_secs_f64();
+        self.join(prompts, cache, logits, secs)
+    }
+
+    /// Adds the prefilled `prompts` (the rows of `cache` and `logits`); returns the first one's
+    /// id.
+    fn join(
+        &mut self,
+        prompts: &[&[u32]],
+        cache: Cache,
+        logits: Tensor,
+        secs: f64,
+    ) -> Result<usize> {
+        let config = self.generator.config();
+        let samplers = prompts
+            .iter()
+            .map(|_| Sampler::new(config.sampling))
+            .collect::<Result<Vec<_>>>()?;
         let (cache, logits) = match (self.cache.take(), self.logits.take()) {
             (Some(c), Some(l)) => (Cache::join(&[c, cache])?, Tensor::cat(&[&l, &logits], 0)?),
             _ => (cache, logits),
         };
         self.cache = Some(cache);
         self.logits = Some(logits);
-        let id = self.next_id;
-        self.next_id += 1;
+        let first = self.next_id;
         let tokenizer = self.generator.tokenizer();
-        self.seqs.push(Sequence {
-            id,
-            prompt_tokens: prompt.len(),
-            history: prompt.to_vec(),
-            tokens: Vec::new(),
-            sampler,
-            stream: TextStream::with_context(tokenizer, prompt),
-            out: StopFilter::new(&config.stop_strings),
-            prefill_secs,
-            decode_steps: 0,
-            decode_secs: 0.0,
-        });
-        Ok(id)
+        for (prompt, sampler) in prompts.iter().zip(samplers) {
+            self.seqs.push(Sequence {
+                id: self.next_id,
+                prompt_tokens: prompt.len(),
+                history: prompt.to_vec(),
+                tokens: Vec::new(),
+                sampler,
+                stream: TextStream::with_context(tokenizer, prompt),
+                out: StopFilter::new(&config.stop_strings),
+                prefill_secs: secs,
+                decode_steps: 0,
+                decode_secs: 0.0,
+            });
+            self.next_id += 1;
+        }
+        Ok(first)
     }
 
     /// One token for every sequence: each samples from its logits, streams its newly complete

@@ -130,6 +130,13 @@ impl Cache {
         &mut self.layers
     }
 
+    /// Counts `tokens[r]` more tokens for row r.
+    pub(crate) fn advance_rows(&mut self, tokens: &[usize]) {
+        for (t, n) in self.tokens.iter_mut().zip(tokens) {
+            *t += n;
+        }
+    }
+
     pub(crate) fn advance(&mut self, tokens: usize) {
         for t in &mut self.tokens {
             *t += tokens;

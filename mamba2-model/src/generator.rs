@@ -196,7 +196,8 @@ impl<'a> Generator<'a> {
         Batch::new(self)
     }
 
-    /// Generates from every prompt together ([`Batch`]), calling `on_text(i, piece)` with each
+    /// Generates from every prompt together ([`Batch`]: one packed prefill, then decode steps
+    /// for all), calling `on_text(i, piece)` with each
     /// newly complete piece of prompt `i`'s text; returns the generations in the prompts' order.
     pub fn generate_batch(
         &'a self,
@@ -204,9 +205,7 @@ impl<'a> Generator<'a> {
         mut on_text: impl FnMut(usize, &str) -> Result<()>,
     ) -> Result<Vec<Generation>> {
         let mut batch = self.batch();
-        for prompt in prompts {
-            batch.add(prompt)?;
-        }
+        batch.add_many(prompts)?;
         let mut done: Vec<Option<Generation>> = vec![None; prompts.len()];
         while !batch.is_empty() {
             for (id, generation) in batch.step(&mut on_text)? {

@@ -22,8 +22,9 @@
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{
-    causal_conv1d, causal_conv1d_split, causal_conv1d_step_split, gated_rms_norm, matvec, ssd,
-    ssd_step, ssd_xbc, ConvOptions, DtOptions, SsdOptions, StepOptions,
+    causal_conv1d, causal_conv1d_split, causal_conv1d_split_packed, causal_conv1d_step_split,
+    gated_rms_norm, matvec, ssd, ssd_packed, ssd_step, ssd_xbc, ConvOptions, DtOptions, SsdOptions,
+    StepOptions,
 };
 
 use crate::cache::LayerState;
@@ -169,6 +170,53 @@ impl Mixer {
         state.conv.slice_set(&conv, 0, 0)?;
         state.ssm.slice_set(&ssm, 0, 0)?;
         Ok(out)
+    }
+
+    /// Runs the sequences packed along L of `u [1,T,d_model]` (sequence s on tokens
+    /// `cu_seqlens[s]..cu_seqlens[s+1]`), each from its row of `state` (`S` rows), and leaves
+    /// each one's state after its last token there. The projections and the norm run once over
+    /// the packed row; the conv and the scan per sequence (`causal_conv1d_split_packed`,
+    /// `ssd_packed`).
+    pub fn forward_packed(
+        &self,
+        u: &Tensor,
+        cu_seqlens: &[usize],
+        state: &mut LayerState,
+    ) -> Result<Tensor> {
+        let (_, t, _) = u.dims3()?;
+        let (di, h, p, gn) = self.sizes();
+        let (z, xbc, dt) = self.project(u)?;
+        let (xbc, conv) = causal_conv1d_split_packed(
+            &xbc,
+            &self.conv_weight,
+            Some(&state.conv),
+            &self.conv_options(),
+            &[di, gn, gn],
+            cu_seqlens,
+        )?;
+        let groups = (1, t, self.ngroups, self.d_state);
+        let x = xbc[0].reshape((1, t, h, p))?;
+        let bm = xbc[1].reshape(groups)?;
+        let cm = xbc[2].reshape(groups)?;
+        let opts = SsdOptions {
+            chunk_size: self.chunk_for(u),
+            dt: self.dt_options(),
+            d: Some(&self.d),
+            z: None,
+            initial_state: Some(&state.ssm),
+            state_dtype: DType::F32,
+        };
+        let (y, ssm) = ssd_packed(&x, &dt, &self.a, &bm, &cm, cu_seqlens, &opts)?;
+        state.conv.slice_set(&conv, 0, 0)?;
+        state.ssm.slice_set(&ssm, 0, 0)?;
+        let y = gated_rms_norm(
+            &y.reshape((1, t, di))?,
+            &z,
+            &self.norm,
+            self.group_size,
+            self.eps,
+        )?;
+        rows_linear(&self.out_proj, &y)
     }
 
     /// Runs whole sequences `u [B,L,d_model]` from zero states, as training does: every op on the

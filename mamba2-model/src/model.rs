@@ -264,6 +264,67 @@ impl Model {
         }
     }
 
+    /// Prefills the prompts packed into one row (their tokens back to back, no padding) from
+    /// empty states: returns the logits `[S,V]` (f32) after each prompt's last token and a cache
+    /// of S rows, each prompt's state, as if each were prefilled alone. Every id is checked
+    /// against the vocabulary first. The whole pack runs at once (no bounded pieces): split a
+    /// very large set of prompts into several calls and [`Cache::join`] their caches.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use mamba2_model::Model;
+    ///
+    /// let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../weights");
+    /// let model = Model::load(dir, DType::F32, &Device::Cpu)?;
+    /// let prompts: [&[u32]; 2] = [&[5, 17, 260], &[31]];
+    /// let (logits, cache) = model.prefill_packed(&prompts)?;
+    /// assert_eq!((logits.dims(), cache.row_tokens()), (&[2, 8192][..], &[3, 1][..]));
+    /// // The first prompt alone.
+    /// let mut alone = model.new_cache(1)?;
+    /// let first = model.prefill(&Tensor::new(&[[5u32, 17, 260]], &Device::Cpu)?, &mut alone)?;
+    /// let diff = (logits.narrow(0, 0, 1)? - first)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff < 1e-4, "{diff}");
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn prefill_packed(&self, prompts: &[&[u32]]) -> Result<(Tensor, Cache)> {
+        if prompts.is_empty() {
+            bail!("prefill_packed: no prompts")
+        }
+        let mut cu = Vec::with_capacity(prompts.len() + 1);
+        cu.push(0);
+        for (i, p) in prompts.iter().enumerate() {
+            if p.is_empty() {
+                bail!("prefill_packed: prompt {i} has no tokens")
+            }
+            let ids = p.iter().map(|&t| i64::from(t));
+            check_vocab(
+                ids,
+                &[p.len()],
+                &format!("prompts[{i}]"),
+                self.config.vocab_size,
+            )?;
+            cu.push(cu[i] + p.len());
+        }
+        let flat: Vec<u32> = prompts.iter().flat_map(|p| p.iter().copied()).collect();
+        let ids = Tensor::new(flat.as_slice(), &self.device)?.unsqueeze(0)?;
+        let mut cache = self.new_cache(prompts.len())?;
+        let mut h = self.embed(&ids)?;
+        let mut residual = None;
+        for (block, state) in self.blocks.iter().zip(cache.layers_mut()) {
+            let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
+            residual = Some(r);
+            h = block.mixer.forward_packed(&normed, &cu, state)?;
+        }
+        let last: Vec<u32> = cu[1..].iter().map(|&e| (e - 1) as u32).collect();
+        let last = Tensor::new(last.as_slice(), &self.device)?;
+        let pick = |t: &Tensor| t.squeeze(0)?.index_select(&last, 0);
+        let residual = residual.as_ref().map(pick).transpose()?;
+        let (h, _) = self.norm(&pick(&h)?, residual.as_ref(), &self.norm_f)?;
+        let lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        cache.advance_rows(&lengths);
+        Ok((self.logits(&h)?, cache))
+    }
+
     /// Feeds one token per sequence, `ids [B]`, and returns the next-token logits `[B,V]` (f32).
     ///
     /// The ids are checked against the vocabulary on the host before any kernel runs. On CUDA that

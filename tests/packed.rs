@@ -1,0 +1,356 @@
+//! Sequences packed along L (`cu_seqlens`): `ssd_packed`, `causal_conv1d_split_packed` and
+//! `Model::prefill_packed` give every sequence what it gets alone (CPU, f32: the ops bit for bit,
+//! the model within 5e-6 of the largest value, see `bound`), with boundaries anywhere — mid-chunk, sequences of one
+//! token and sequences shorter than the conv kernel — with per-sequence initial states, through
+//! the backward, and over random length mixes (a property test); bad offsets are errors.
+
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use common::fixture::{case_names, root};
+use common::{rel_err, Rng};
+use mamba2::kernels::{
+    causal_conv1d_split, causal_conv1d_split_packed, ssd, ssd_packed, ConvOptions, DtOptions,
+    SsdOptions,
+};
+use mamba2::model::Model;
+use proptest::prelude::*;
+
+/// `[0, l_0, l_0 + l_1, …]`.
+fn offsets(lens: &[usize]) -> Vec<usize> {
+    let mut cu = vec![0];
+    for l in lens {
+        cu.push(cu[cu.len() - 1] + l);
+    }
+    cu
+}
+
+fn bits(t: &Tensor) -> Result<Vec<u32>> {
+    Ok(t.flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|v| v.to_bits())
+        .collect())
+}
+
+struct SsdCase {
+    x: Tensor,
+    dt: Tensor,
+    a: Tensor,
+    b: Tensor,
+    c: Tensor,
+    z: Tensor,
+    d: Tensor,
+    bias: Tensor,
+    init: Tensor,
+}
+
+fn ssd_case(total: usize, seqs: usize, seed: u64) -> Result<SsdCase> {
+    let (h, p, g, n) = (4, 8, 2, 16);
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(seed);
+    Ok(SsdCase {
+        x: rng.tensor(&[1, total, h, p], 1.0, &dev)?,
+        dt: rng.tensor(&[1, total, h], 1.0, &dev)?,
+        a: Tensor::new(&[-0.5f32, -1.0, -2.0, -4.0], &dev)?,
+        b: rng.tensor(&[1, total, g, n], 1.0, &dev)?,
+        c: rng.tensor(&[1, total, g, n], 1.0, &dev)?,
+        z: rng.tensor(&[1, total, h, p], 1.0, &dev)?,
+        d: rng.tensor(&[h], 1.0, &dev)?,
+        bias: rng.tensor(&[h], 0.5, &dev)?,
+        init: rng.tensor(&[seqs, h, p, n], 1.0, &dev)?,
+    })
+}
+
+fn opts<'a>(s: &'a SsdCase, z: Option<&'a Tensor>, init: Option<&'a Tensor>) -> SsdOptions<'a> {
+    SsdOptions {
+        chunk_size: 16,
+        dt: DtOptions {
+            bias: Some(&s.bias),
+            softplus: true,
+            limit: (0.0, f32::INFINITY),
+        },
+        d: Some(&s.d),
+        z,
+        initial_state: init,
+        state_dtype: DType::F32,
+    }
+}
+
+#[test]
+fn ssd_packed_gives_each_sequence_what_it_gets_alone() -> Result<()> {
+    // Boundaries mid-chunk (chunk 16), sequences of one token, one longer than several chunks.
+    let lens = [5, 1, 40, 16, 1, 23];
+    let cu = offsets(&lens);
+    let s = ssd_case(cu[lens.len()], lens.len(), 1)?;
+    let packed = opts(&s, Some(&s.z), Some(&s.init));
+    let (y, states) = ssd_packed(&s.x, &s.dt, &s.a, &s.b, &s.c, &cu, &packed)?;
+    for (i, w) in cu.windows(2).enumerate() {
+        let piece = |t: &Tensor| t.narrow(1, w[0], w[1] - w[0]);
+        let (z, init) = (piece(&s.z)?, s.init.narrow(0, i, 1)?);
+        let one = opts(&s, Some(&z), Some(&init));
+        let (y1, s1) = ssd(
+            &piece(&s.x)?,
+            &piece(&s.dt)?,
+            &s.a,
+            &piece(&s.b)?,
+            &piece(&s.c)?,
+            &one,
+        )?;
+        assert_eq!(bits(&piece(&y)?)?, bits(&y1)?, "sequence {i}: y");
+        assert_eq!(
+            bits(&states.narrow(0, i, 1)?)?,
+            bits(&s1)?,
+            "sequence {i}: state"
+        );
+    }
+    // And the packed result is not the unpacked one: the states do not flow across boundaries.
+    let (whole, _) = ssd(&s.x, &s.dt, &s.a, &s.b, &s.c, &opts(&s, Some(&s.z), None))?;
+    assert!(
+        rel_err(
+            &y.narrow(1, 5, 1)?,
+            &whole.narrow(1, 5, 1)?.to_dtype(DType::F64)?
+        )? > 1e-3
+    );
+    Ok(())
+}
+
+#[test]
+fn ssd_packed_backward_equals_each_sequences_backward() -> Result<()> {
+    let lens = [7, 1, 20];
+    let cu = offsets(&lens);
+    let s = ssd_case(cu[lens.len()], lens.len(), 2)?;
+    let w = Rng::new(3).tensor(&[1, cu[lens.len()], 4, 8], 1.0, &Device::Cpu)?;
+    let grads = |packed: bool| -> Result<Vec<Tensor>> {
+        let (x, b, c) = (
+            Var::from_tensor(&s.x)?,
+            Var::from_tensor(&s.b)?,
+            Var::from_tensor(&s.c)?,
+        );
+        let y = if packed {
+            ssd_packed(
+                x.as_tensor(),
+                &s.dt,
+                &s.a,
+                b.as_tensor(),
+                c.as_tensor(),
+                &cu,
+                &opts(&s, None, None),
+            )?
+            .0
+        } else {
+            let mut ys = Vec::new();
+            for w in cu.windows(2) {
+                let piece = |t: &Tensor| t.narrow(1, w[0], w[1] - w[0]);
+                let o = opts(&s, None, None);
+                let (y, _) = ssd(
+                    &piece(x.as_tensor())?,
+                    &piece(&s.dt)?,
+                    &s.a,
+                    &piece(b.as_tensor())?,
+                    &piece(c.as_tensor())?,
+                    &o,
+                )?;
+                ys.push(y);
+            }
+            Tensor::cat(&ys, 1)?
+        };
+        let g = y.mul(&w)?.sum_all()?.backward()?;
+        [x, b, c]
+            .iter()
+            .map(|v| {
+                g.get(v.as_tensor())
+                    .cloned()
+                    .ok_or_else(|| candle_core::Error::msg("no gradient"))
+            })
+            .collect()
+    };
+    for (i, (got, want)) in grads(true)?.iter().zip(grads(false)?).enumerate() {
+        let e = rel_err(got, &want.to_dtype(DType::F64)?)?;
+        assert!(e <= 1e-6, "input {i}: packed gradient rel err {e:e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn conv_packed_gives_each_sequence_what_it_gets_alone() -> Result<()> {
+    // Sequences shorter than the kernel (4 taps) and of one token, from their own states.
+    let lens = [2, 1, 9, 3, 12];
+    let cu = offsets(&lens);
+    let (total, dim, width) = (cu[lens.len()], 10, 4);
+    let mut rng = Rng::new(4);
+    let dev = Device::Cpu;
+    let x = rng.tensor(&[1, total, dim], 1.0, &dev)?;
+    let w = rng.tensor(&[dim, width], 1.0, &dev)?;
+    let bias = rng.tensor(&[dim], 1.0, &dev)?;
+    let init = rng.tensor(&[lens.len(), dim, width], 1.0, &dev)?;
+    let opts = ConvOptions {
+        bias: Some(&bias),
+        silu: true,
+    };
+    let split = [6, 2, 2];
+    let (ys, states) = causal_conv1d_split_packed(&x, &w, Some(&init), &opts, &split, &cu)?;
+    for (i, win) in cu.windows(2).enumerate() {
+        let (start, len) = (win[0], win[1] - win[0]);
+        let one = init.narrow(0, i, 1)?;
+        let (y1, s1) =
+            causal_conv1d_split(&x.narrow(1, start, len)?, &w, Some(&one), &opts, &split)?;
+        for (j, (y, y1)) in ys.iter().zip(&y1).enumerate() {
+            assert_eq!(
+                bits(&y.narrow(1, start, len)?)?,
+                bits(y1)?,
+                "sequence {i}, piece {j}"
+            );
+        }
+        assert_eq!(
+            bits(&states.narrow(0, i, 1)?)?,
+            bits(&s1)?,
+            "sequence {i}: state"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_offsets_and_states_are_errors() -> Result<()> {
+    let s = ssd_case(10, 2, 5)?;
+    let o = opts(&s, None, None);
+    for (cu, needle) in [
+        (vec![1, 10], "cu_seqlens must run from 0"),
+        (vec![0, 9], "cu_seqlens must run from 0"),
+        (vec![0], "cu_seqlens must run from 0"),
+        (vec![0, 4, 4, 10], "must increase"),
+        (vec![0, 6, 3, 10], "must increase"),
+    ] {
+        let err = ssd_packed(&s.x, &s.dt, &s.a, &s.b, &s.c, &cu, &o).expect_err(needle);
+        assert!(err.to_string().contains(needle), "{cu:?}: {err}");
+        let x = Tensor::ones((1, 10, 4), DType::F32, &Device::Cpu)?;
+        let w = Tensor::ones((4, 4), DType::F32, &Device::Cpu)?;
+        let err = causal_conv1d_split_packed(&x, &w, None, &ConvOptions::default(), &[4], &cu)
+            .expect_err(needle);
+        assert!(err.to_string().contains(needle), "conv {cu:?}: {err}");
+    }
+    let three = s.init.narrow(0, 0, 1)?.repeat((3, 1, 1, 1))?;
+    let err = ssd_packed(
+        &s.x,
+        &s.dt,
+        &s.a,
+        &s.b,
+        &s.c,
+        &[0, 4, 10],
+        &opts(&s, None, Some(&three)),
+    )
+    .expect_err("3 states for 2 sequences");
+    assert!(
+        err.to_string().contains("3 states for 2 sequences"),
+        "{err}"
+    );
+    let two_rows = Tensor::cat(&[&s.x, &s.x], 0)?;
+    let err = ssd_packed(&two_rows, &s.dt, &s.a, &s.b, &s.c, &[0, 10], &o).expect_err("two rows");
+    assert!(err.to_string().contains("one row"), "{err}");
+    Ok(())
+}
+
+/// Each prompt prefilled alone: its last logits `[1,V]` and its states, per layer.
+fn alone(model: &Model, prompt: &[u32]) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
+    let mut cache = model.new_cache(1)?;
+    let ids = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
+    let logits = model.prefill(&ids, &mut cache)?;
+    let states = cache
+        .layers()
+        .iter()
+        .map(|l| (l.ssm.clone(), l.conv.clone()))
+        .collect();
+    Ok((logits, states))
+}
+
+/// The largest error of any prompt's packed logits and states against its own prefill, relative
+/// to `bound(prompt length)`, and the largest error itself.
+fn check_packed(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    bound: impl Fn(usize) -> f64,
+) -> Result<(f64, f64)> {
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let (logits, cache) = model.prefill_packed(&refs)?;
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    assert_eq!(cache.row_tokens(), lens.as_slice());
+    let (mut ratio, mut worst) = (0f64, 0f64);
+    for (i, prompt) in prompts.iter().enumerate() {
+        let (want, states) = alone(model, prompt)?;
+        let mut e = rel_err(&logits.narrow(0, i, 1)?, &want.to_dtype(DType::F64)?)?;
+        for (layer, (ssm, conv)) in cache.layers().iter().zip(states) {
+            e = e.max(rel_err(
+                &layer.ssm.narrow(0, i, 1)?,
+                &ssm.to_dtype(DType::F64)?,
+            )?);
+            e = e.max(rel_err(
+                &layer.conv.narrow(0, i, 1)?,
+                &conv.to_dtype(DType::F64)?,
+            )?);
+        }
+        ratio = ratio.max(e / bound(prompt.len()));
+        worst = worst.max(e);
+    }
+    Ok((ratio, worst))
+}
+
+/// 5e-6. The ops above are bit for bit; the model's products are not: a prompt alone runs the
+/// LM head (and a one-token prompt every projection) on one row, which candle's CPU matmul sums
+/// on its matrix-vector path, rounding differently from the matrix product over the packed rows
+/// (about 1e-6 of the largest value per product, compounding over the layers).
+fn bound(_len: usize) -> f64 {
+    5e-6
+}
+
+#[test]
+fn prefill_packed_gives_each_prompt_its_own_logits_and_states() -> Result<()> {
+    let weights = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("weights");
+    let model = Model::load(weights, DType::F32, &Device::Cpu)?;
+    let mut rng = Rng::new(6);
+    // Lengths around the CPU scan's chunk (64) and the conv's window, and a one-token prompt.
+    let prompts: Vec<Vec<u32>> = [1usize, 3, 64, 65, 130, 7]
+        .iter()
+        .map(|&l| (0..l).map(|_| (rng.next_u64() % 8192) as u32).collect())
+        .collect();
+    let (ratio, worst) = check_packed(&model, &prompts, bound)?;
+    eprintln!("shipped model, 6 prompts: worst rel err {worst:e} ({ratio:.2} of its bound)");
+    assert!(
+        ratio <= 1.0,
+        "worst rel err {worst:e}, {ratio:.2} of its bound"
+    );
+    let err = model
+        .prefill_packed(&[&[1, 2], &[]])
+        .expect_err("an empty prompt");
+    assert!(err.to_string().contains("prompt 1 has no tokens"), "{err}");
+    let err = model
+        .prefill_packed(&[&[1, 8192]])
+        .expect_err("an id outside the vocabulary");
+    assert!(err.to_string().contains("8192"), "{err}");
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn any_length_mix_prefills_packed_as_alone(
+        case in 0usize..7,
+        lens in prop::collection::vec(1usize..=70, 1..=5),
+        seed in any::<u64>(),
+    ) {
+        let names = case_names();
+        let name = &names[case % names.len()];
+        let model = Model::load(root().join(name), DType::F32, &Device::Cpu).expect("fixture model");
+        let vocab = model.config().vocab_size as u64;
+        let mut rng = Rng::new(seed);
+        let prompts: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&l| (0..l).map(|_| (rng.next_u64() % vocab) as u32).collect())
+            .collect();
+        let (ratio, worst) = check_packed(&model, &prompts, |l| 10.0 * bound(l))
+            .expect("packed prefill");
+        prop_assert!(ratio <= 1.0, "{name}, lengths {lens:?}: worst rel err {worst:e}");
+    }
+}
