@@ -69,7 +69,7 @@ if [[ $minutes != 0 ]]; then
   (PYTHONUNBUFFERED=1 python3 tools/train.py --minutes "$minutes" --out /tmp/w --bundle "$OUT" > "$OUT/train.log" 2>&1) &
   train_pid=$!
 fi
-for t in ${TESTS:-ssd_cuda ssd_errors model_cuda grad_ssd_cuda grad_cuda model_grad_cuda}; do
+for t in ${TESTS:-ssd_cuda ssd_errors model_cuda grad_ssd_cuda grad_cuda model_grad_cuda packed_cuda}; do
   [[ -x .gpu/$t ]] || continue
   echo "== $t" >> "$OUT/tests.log"
   RUST_BACKTRACE=1 timeout 300 ".gpu/$t" --test-threads 1 --nocapture >> "$OUT/tests.log" 2>&1

@@ -12,7 +12,7 @@ base=
 [[ ${1:-} == --base ]] && base=$2
 source <(bash ../shared/gpu/cuda-toolkit.sh --env)
 target=${CARGO_TARGET_DIR:-$PWD/target}
-tests=(ssd_cuda ssd_errors model_cuda grad_ssd_cuda grad_cuda model_grad_cuda)
+tests=(ssd_cuda ssd_errors model_cuda grad_ssd_cuda grad_cuda model_grad_cuda packed_cuda)
 examples=(bench_ssd bench_model generate)
 json=$(cargo build --release --features cuda --tests --examples --message-format=json)
 pick() {  # the executable of target $1 of kind $2 (test | example)
