@@ -403,8 +403,14 @@ fn loss_cross_entropy_and_its_backward_match_cpu() -> Result<()> {
                 let name = format!("cross_entropy {rows}x{vocab} {dtype:?} ids {id_dtype:?}");
                 let loss = |v: &[Tensor], c: &[Tensor]| k::cross_entropy(&v[0], &c[0]);
                 let consts = [targets.clone()];
-                compare(&name, tolerance(dtype), &[logits.clone()], &consts, &loss)?;
-                let want = loss(&[logits.clone()], &consts)?.to_scalar::<f32>()?;
+                compare(
+                    &name,
+                    tolerance(dtype),
+                    std::slice::from_ref(&logits),
+                    &consts,
+                    &loss,
+                )?;
+                let want = loss(std::slice::from_ref(&logits), &consts)?.to_scalar::<f32>()?;
                 let dev = gpu();
                 let got = loss(&[logits.to_device(&dev)?], &[targets.to_device(&dev)?])?
                     .to_scalar::<f32>()?;
