@@ -3,6 +3,11 @@
 //! `mamba2::Model` on the same weights in the same run. Decode is timed both replayed from a
 //! captured CUDA graph ([`DecodeGraph`]) and launched kernel by kernel.
 //!
+//! Ragged prompts (`--ragged N:LO-HI`: N prompts of seeded lengths uniform in LO..=HI) are
+//! prefilled three ways, last logits only: packed into one row (`Model::prefill_packed`), padded
+//! to the longest as one rectangular batch (timing only: the pad tokens would change the
+//! states), and one call per prompt.
+//!
 //! `cargo run --release --features cuda --example bench_model -- [--models 130m,780m,2.7b]`
 
 use std::collections::HashMap;
@@ -37,6 +42,45 @@ struct Args {
         default_value = "130m:1x2048,130m:4x2048,780m:1x2048,130m:d1,130m:d16,2.7b:d1"
     )]
     peer: Vec<String>,
+    /// Ragged prefill: `N:LO-HI`, N prompts of lengths uniform in LO..=HI ("" for none).
+    #[arg(long, default_value = "64:16-1024")]
+    ragged: String,
+}
+
+/// `N:LO-HI` as N seeded lengths uniform in LO..=HI.
+fn ragged_lengths(s: &str) -> Result<Vec<usize>> {
+    let parse = || -> Option<(usize, usize, usize)> {
+        let (n, range) = s.split_once(':')?;
+        let (lo, hi) = range.split_once('-')?;
+        Some((n.parse().ok()?, lo.parse().ok()?, hi.parse().ok()?))
+    };
+    let Some((n, lo, hi)) = parse().filter(|&(n, lo, hi)| n > 0 && lo > 0 && lo <= hi) else {
+        anyhow::bail!("--ragged must be N:LO-HI with N >= 1 and 1 <= LO <= HI, got {s}")
+    };
+    let mut state = 12345u64;
+    Ok((0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            lo + (state >> 33) as usize % (hi - lo + 1)
+        })
+        .collect())
+}
+
+/// Median seconds of `reps` runs of `f` after one warm-up, synchronised around each.
+fn timed(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut times = Vec::new();
+    for rep in 0..=reps {
+        sync(dev)?;
+        let t = Instant::now();
+        f()?;
+        sync(dev)?;
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times))
 }
 
 /// d_model, layers, heads of the three sizes (headdim 64, state 128, expand 2, 1 group).
@@ -192,6 +236,48 @@ fn main() -> Result<()> {
                 "| {name} | prefill B={b} L={l} (all logits) | {:.2} ms, {:.0} tok/s | {peer_s} |",
                 ours * 1e3,
                 (b * l) as f64 / ours
+            );
+        }
+        if !args.ragged.is_empty() {
+            let lens = ragged_lengths(&args.ragged)?;
+            progress(&format!("{name}: ragged prefill {}", args.ragged));
+            let prompts: Vec<Vec<u32>> = lens
+                .iter()
+                .map(|&l| Ok(ids(1, l, &dev)?.squeeze(0)?.to_vec1::<u32>()?))
+                .collect::<Result<_>>()?;
+            let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+            let packed = timed(&dev, args.reps, || {
+                model.prefill_packed(&refs)?;
+                Ok(())
+            })?;
+            let longest = lens.iter().copied().max().unwrap_or(1);
+            let padded_ids = ids(lens.len(), longest, &dev)?;
+            let padded = timed(&dev, args.reps, || {
+                let mut cache = model.new_cache(lens.len())?;
+                model.prefill(&padded_ids, &mut cache)?;
+                Ok(())
+            })?;
+            let singles: Vec<Tensor> = prompts
+                .iter()
+                .map(|p| Ok(Tensor::new(p.as_slice(), &dev)?.unsqueeze(0)?))
+                .collect::<Result<_>>()?;
+            let each = timed(&dev, args.reps, || {
+                for input in &singles {
+                    let mut cache = model.new_cache(1)?;
+                    model.prefill(input, &mut cache)?;
+                }
+                Ok(())
+            })?;
+            let tokens: usize = lens.iter().sum();
+            println!(
+                "| {name} | ragged prefill, {} prompts of {} tokens ({tokens} in all, longest {longest}) | packed {:.2} ms; padded {:.2} ms ({:.2}×); one call each {:.2} ms ({:.2}×) | — |",
+                lens.len(),
+                args.ragged.split_once(':').map_or("", |(_, r)| r),
+                packed * 1e3,
+                padded * 1e3,
+                padded / packed,
+                each * 1e3,
+                each / packed
             );
         }
         for b in args.decode.iter().filter(|s| !s.is_empty()) {
