@@ -350,6 +350,28 @@ pub(crate) fn rows_view(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// Checks sequence offsets `cu_seqlens` (`[0, l_0, l_0 + l_1, …, total]`) of sequences packed
+/// along a dim of length `total`: starts at 0, ends at `total`, every sequence at least one
+/// token. Returns the sequence count.
+pub(crate) fn cu_seqlens(op: &str, cu: &[usize], total: usize) -> Result<usize> {
+    if cu.len() < 2 || cu[0] != 0 || cu[cu.len() - 1] != total {
+        bail!(
+            "{op}: cu_seqlens must run from 0 to the packed length {total} with one offset more \
+             than there are sequences, got {cu:?}"
+        )
+    }
+    if let Some(i) = cu.windows(2).position(|w| w[1] <= w[0]) {
+        bail!(
+            "{op}: cu_seqlens must increase (every sequence at least one token): offset {} is {} \
+             after {}",
+            i + 1,
+            cu[i + 1],
+            cu[i]
+        )
+    }
+    Ok(cu.len() - 1)
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::{DType, Device, Tensor};
@@ -398,26 +420,4 @@ mod tests {
         assert_eq!(row_stride(t.narrow(1, 0, 2)?.layout()), None);
         Ok(())
     }
-}
-
-/// Checks sequence offsets `cu_seqlens` (`[0, l_0, l_0 + l_1, …, total]`) of sequences packed
-/// along a dim of length `total`: starts at 0, ends at `total`, every sequence at least one
-/// token. Returns the sequence count.
-pub(crate) fn cu_seqlens(op: &str, cu: &[usize], total: usize) -> Result<usize> {
-    if cu.len() < 2 || cu[0] != 0 || cu[cu.len() - 1] != total {
-        bail!(
-            "{op}: cu_seqlens must run from 0 to the packed length {total} with one offset more \
-             than there are sequences, got {cu:?}"
-        )
-    }
-    if let Some(i) = cu.windows(2).position(|w| w[1] <= w[0]) {
-        bail!(
-            "{op}: cu_seqlens must increase (every sequence at least one token): offset {} is {} \
-             after {}",
-            i + 1,
-            cu[i + 1],
-            cu[i]
-        )
-    }
-    Ok(cu.len() - 1)
 }
