@@ -212,6 +212,8 @@ impl<'g> Batch<'g> {
         let (Some(cache), Some(logits)) = (self.cache.take(), self.logits.take()) else {
             return Ok(Vec::new());
         };
+        // One copy of all rows to the host, rather than one per sequence as each samples.
+        let logits = logits.to_device(&candle_core::Device::Cpu)?;
         let config = self.generator.config();
         let mut keep = Vec::with_capacity(self.seqs.len());
         let mut next = Vec::with_capacity(self.seqs.len());
