@@ -2,7 +2,8 @@
 //! `Model::prefill_packed` give every sequence what it gets alone (CPU, f32: the ops bit for bit,
 //! the model within 5e-6 of the largest value, see `bound`), with boundaries anywhere — mid-chunk, sequences of one
 //! token and sequences shorter than the conv kernel — with per-sequence initial states, through
-//! the backward, and over random length mixes (a property test); bad offsets are errors.
+//! the backward, and over random length mixes (a property test); bad offsets are errors. Training
+//! on packed documents (`Model::loss_packed`) gives each document's loss and gradients.
 
 mod common;
 
@@ -13,7 +14,7 @@ use mamba2::kernels::{
     causal_conv1d_split, causal_conv1d_split_packed, ssd, ssd_packed, ConvOptions, DtOptions,
     SsdOptions,
 };
-use mamba2::model::Model;
+use mamba2::model::{Model, TrainableModel};
 use proptest::prelude::*;
 
 /// `[0, l_0, l_0 + l_1, …]`.
@@ -353,4 +354,59 @@ proptest! {
             .expect("packed prefill");
         prop_assert!(ratio <= 1.0, "{name}, lengths {lens:?}: worst rel err {worst:e}");
     }
+}
+
+#[test]
+fn loss_packed_is_each_documents_loss_weighted_by_its_tokens_with_the_same_gradients() -> Result<()>
+{
+    for name in [
+        "g2_p32_n32_c32_k4_bias_tied",
+        "g4_p16_n16_c8_k3_noconvbias_untied",
+    ] {
+        let trainable = TrainableModel::load(root().join(name), DType::F32, &Device::Cpu)?;
+        let model = trainable.model()?;
+        let vocab = model.config().vocab_size as u64;
+        let mut rng = Rng::new(8);
+        // Documents of 2 tokens (one prediction), mid-chunk lengths and one over several chunks.
+        let docs: Vec<Vec<u32>> = [2usize, 9, 40, 17, 3]
+            .iter()
+            .map(|&l| (0..l).map(|_| (rng.next_u64() % vocab) as u32).collect())
+            .collect();
+        let refs: Vec<&[u32]> = docs.iter().map(Vec::as_slice).collect();
+        let packed = model.loss_packed(&refs)?;
+        let predicted: usize = docs.iter().map(|d| d.len() - 1).sum();
+        let mut parts = Vec::new();
+        for d in &docs {
+            let ids = Tensor::new(d.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+            parts.push((model.loss(&ids)? * ((d.len() - 1) as f64 / predicted as f64))?);
+        }
+        let want = Tensor::stack(&parts, 0)?.sum_all()?;
+        let (p, w) = (packed.to_scalar::<f32>()?, want.to_scalar::<f32>()?);
+        assert!(
+            (p - w).abs() <= 1e-6 * w.abs(),
+            "{name}: loss {p} packed, {w} apart"
+        );
+        let (gp, gw) = (packed.backward()?, want.backward()?);
+        let mut worst = 0f64;
+        for (param, var) in trainable.vars() {
+            let (Some(a), Some(b)) = (gp.get(var.as_tensor()), gw.get(var.as_tensor())) else {
+                panic!("{name}: no gradient for {param}")
+            };
+            let e = rel_err(a, &b.to_dtype(DType::F64)?)?;
+            assert!(e <= 1e-5, "{name} {param}: packed gradient rel err {e:e}");
+            worst = worst.max(e);
+        }
+        eprintln!("{name}: loss {p}, worst gradient rel err {worst:e}");
+    }
+    let trainable = TrainableModel::load(
+        root().join("g2_p32_n32_c32_k4_bias_tied"),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let err = trainable
+        .model()?
+        .loss_packed(&[&[1, 2], &[3]])
+        .expect_err("a 1-token document");
+    assert!(err.to_string().contains("document 1 has 1 token"), "{err}");
+    Ok(())
 }

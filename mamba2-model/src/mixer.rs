@@ -183,13 +183,34 @@ impl Mixer {
         cu_seqlens: &[usize],
         state: &mut LayerState,
     ) -> Result<Tensor> {
+        let states = Some((&state.conv, &state.ssm));
+        let (out, conv, ssm) = self.run_packed(u, cu_seqlens, states)?;
+        state.conv.slice_set(&conv, 0, 0)?;
+        state.ssm.slice_set(&ssm, 0, 0)?;
+        Ok(out)
+    }
+
+    /// [`Mixer::forward_packed`] from zero states, as training on packed documents does: every
+    /// op on the way records its gradient when the weights or `u` take part in one.
+    pub fn forward_train_packed(&self, u: &Tensor, cu_seqlens: &[usize]) -> Result<Tensor> {
+        Ok(self.run_packed(u, cu_seqlens, None)?.0)
+    }
+
+    /// `(out, conv states, SSM states)` of the packed sequences of `u`, from the given
+    /// `(conv, ssm)` states (zeros when absent).
+    fn run_packed(
+        &self,
+        u: &Tensor,
+        cu_seqlens: &[usize],
+        states: Option<(&Tensor, &Tensor)>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let (_, t, _) = u.dims3()?;
         let (di, h, p, gn) = self.sizes();
         let (z, xbc, dt) = self.project(u)?;
         let (xbc, conv) = causal_conv1d_split_packed(
             &xbc,
             &self.conv_weight,
-            Some(&state.conv),
+            states.map(|s| s.0),
             &self.conv_options(),
             &[di, gn, gn],
             cu_seqlens,
@@ -203,12 +224,10 @@ impl Mixer {
             dt: self.dt_options(),
             d: Some(&self.d),
             z: None,
-            initial_state: Some(&state.ssm),
+            initial_state: states.map(|s| s.1),
             state_dtype: DType::F32,
         };
         let (y, ssm) = ssd_packed(&x, &dt, &self.a, &bm, &cm, cu_seqlens, &opts)?;
-        state.conv.slice_set(&conv, 0, 0)?;
-        state.ssm.slice_set(&ssm, 0, 0)?;
         let y = gated_rms_norm(
             &y.reshape((1, t, di))?,
             &z,
@@ -216,7 +235,7 @@ impl Mixer {
             self.group_size,
             self.eps,
         )?;
-        rows_linear(&self.out_proj, &y)
+        Ok((rows_linear(&self.out_proj, &y)?, conv, ssm))
     }
 
     /// Runs whole sequences `u [B,L,d_model]` from zero states, as training does: every op on the

@@ -511,6 +511,50 @@ impl Model {
         cross_entropy(&logits.reshape((b * (l - 1), v))?, &targets.flatten_all()?)
     }
 
+    /// The mean next-token cross-entropy of documents of any lengths packed into one row (no
+    /// padding): every document from an empty state, no state or conv window crossing into the
+    /// next, each predicting its tokens 1..len−1. Equal to the token-weighted mean of
+    /// [`Model::loss`] of each document alone, and differentiable as it. Every document needs at
+    /// least 2 tokens; ids are checked against the vocabulary first.
+    pub fn loss_packed(&self, docs: &[&[u32]]) -> Result<Tensor> {
+        if docs.is_empty() {
+            bail!("loss_packed: no documents")
+        }
+        let mut cu = Vec::with_capacity(docs.len() + 1);
+        cu.push(0);
+        let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+        for (i, d) in docs.iter().enumerate() {
+            if d.len() < 2 {
+                bail!(
+                    "loss_packed: document {i} has {} token(s); a loss needs at least 2",
+                    d.len()
+                )
+            }
+            let ids = d.iter().map(|&t| i64::from(t));
+            check_vocab(
+                ids,
+                &[d.len()],
+                &format!("docs[{i}]"),
+                self.config.vocab_size,
+            )?;
+            // The last token predicts nothing: it is not fed, as in `Model::loss`.
+            inputs.extend_from_slice(&d[..d.len() - 1]);
+            targets.extend_from_slice(&d[1..]);
+            cu.push(inputs.len());
+        }
+        let ids = Tensor::new(inputs.as_slice(), &self.device)?.unsqueeze(0)?;
+        let mut h = self.embed(&ids)?;
+        let mut residual = None;
+        for block in &self.blocks {
+            let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
+            residual = Some(r);
+            h = block.mixer.forward_train_packed(&normed, &cu)?;
+        }
+        let (h, _) = self.norm(&h, residual.as_ref(), &self.norm_f)?;
+        let logits = rows_linear(&self.lm_head, &h.squeeze(0)?)?;
+        cross_entropy(&logits, &Tensor::new(targets.as_slice(), &self.device)?)
+    }
+
     /// `Σ −log p(ids[b,t] | ids[b,<t])` over t = 1..L−1 of every row of `ids [B, L]` (L ≥ 2),
     /// each row from an empty state, in f64: the held-out score of the `perplexity` and `train`
     /// examples (perplexity = exp of the sum over the count of predicted tokens).
