@@ -18,38 +18,9 @@ use std::time::Instant;
 
 use candle_core::{bail, Result, Tensor};
 
-use crate::generator::StopFilter;
+use crate::generator::Sequence;
 use crate::model::check_vocab;
-use crate::{Cache, Generation, Generator, Sampler, StopReason, TextStream};
-
-/// One sequence of a batch.
-struct Sequence<'g> {
-    id: usize,
-    prompt_tokens: usize,
-    history: Vec<u32>,
-    tokens: Vec<u32>,
-    sampler: Sampler,
-    stream: TextStream<'g>,
-    out: StopFilter<'g>,
-    prefill_secs: f64,
-    decode_steps: usize,
-    decode_secs: f64,
-}
-
-impl Sequence<'_> {
-    fn finish(self, stop: StopReason) -> (usize, Generation) {
-        let generation = Generation {
-            text: self.out.text,
-            tokens: self.tokens,
-            stop,
-            prompt_tokens: self.prompt_tokens,
-            prefill_secs: self.prefill_secs,
-            decode_steps: self.decode_steps,
-            decode_secs: self.decode_secs,
-        };
-        (self.id, generation)
-    }
-}
+use crate::{Cache, Generation, Generator};
 
 /// A batch of sequences generating together (see the module doc); made by [`Generator::batch`].
 ///
@@ -74,8 +45,8 @@ impl Sequence<'_> {
 /// ```
 pub struct Batch<'g> {
     generator: &'g Generator<'g>,
-    /// Active sequences, in the order of the cache's rows and the logits' rows.
-    seqs: Vec<Sequence<'g>>,
+    /// Active sequences with their ids, in the order of the cache's rows and the logits' rows.
+    seqs: Vec<(usize, Sequence<'g>)>,
     cache: Option<Cache>,
     /// `[B, V]` next-token logits of the active sequences.
     logits: Option<Tensor>,
@@ -172,10 +143,13 @@ impl<'g> Batch<'g> {
         secs: f64,
     ) -> Result<usize> {
         let config = self.generator.config();
-        let samplers = prompts
-            .iter()
-            .map(|_| Sampler::new(config.sampling))
-            .collect::<Result<Vec<_>>>()?;
+        let tokenizer = self.generator.tokenizer();
+        let mut seqs = Vec::with_capacity(prompts.len());
+        for prompt in prompts {
+            let mut seq = Sequence::new(tokenizer, config, prompt)?;
+            seq.prefill_secs = secs;
+            seqs.push(seq);
+        }
         let (cache, logits) = match (self.cache.take(), self.logits.take()) {
             (Some(c), Some(l)) => (Cache::join(&[c, cache])?, Tensor::cat(&[&l, &logits], 0)?),
             _ => (cache, logits),
@@ -183,20 +157,8 @@ impl<'g> Batch<'g> {
         self.cache = Some(cache);
         self.logits = Some(logits);
         let first = self.next_id;
-        let tokenizer = self.generator.tokenizer();
-        for (prompt, sampler) in prompts.iter().zip(samplers) {
-            self.seqs.push(Sequence {
-                id: self.next_id,
-                prompt_tokens: prompt.len(),
-                history: prompt.to_vec(),
-                tokens: Vec::new(),
-                sampler,
-                stream: TextStream::with_context(tokenizer, prompt),
-                out: StopFilter::new(&config.stop_strings),
-                prefill_secs: secs,
-                decode_steps: 0,
-                decode_secs: 0.0,
-            });
+        for seq in seqs {
+            self.seqs.push((self.next_id, seq));
             self.next_id += 1;
         }
         Ok(first)
@@ -217,68 +179,21 @@ impl<'g> Batch<'g> {
         let config = self.generator.config();
         let mut keep = Vec::with_capacity(self.seqs.len());
         let mut next = Vec::with_capacity(self.seqs.len());
-        let mut stopped = Vec::new();
-        for (row, seq) in self.seqs.iter_mut().enumerate() {
-            let i = seq.tokens.len();
-            let at_step = |e: candle_core::Error| {
-                candle_core::Error::msg(format!(
-                    "sequence {}, generation step {i} (the logits after the {}-token prompt and \
-                     {i} generated tokens): {e}",
-                    seq.id, seq.prompt_tokens
-                ))
-            };
-            let id = seq.id;
+        let mut finished = Vec::new();
+        for (row, (id, mut seq)) in std::mem::take(&mut self.seqs).into_iter().enumerate() {
             let mut emit = |piece: &str| on_text(id, piece);
-            let mut token = 0;
-            let stop = if config.max_new_tokens == 0 {
-                Some(StopReason::MaxNewTokens)
-            } else {
-                token = seq
-                    .sampler
-                    .sample(&logits.get(row)?, &seq.history)
-                    .map_err(at_step)?;
-                None
-            };
-            let stop = if stop.is_some() {
-                stop
-            } else if config.eos_token_ids.contains(&token) {
-                Some(StopReason::Eos)
-            } else {
-                seq.history.push(token);
-                seq.tokens.push(token);
-                if seq.out.push(&seq.stream.push(token)?, &mut emit)? {
-                    Some(StopReason::StopString)
-                } else if seq.tokens.len() >= config.max_new_tokens {
-                    Some(StopReason::MaxNewTokens)
-                } else {
-                    None
-                }
-            };
-            match stop {
-                Some(StopReason::StopString) => stopped.push((row, StopReason::StopString)),
-                Some(reason) => {
-                    let stop = if seq.out.push(&seq.stream.flush()?, &mut emit)? {
-                        StopReason::StopString
-                    } else {
-                        seq.out.finish(&mut emit)?;
-                        reason
-                    };
-                    stopped.push((row, stop));
-                }
-                None => {
+            let token = seq
+                .next(&logits.get(row)?, config, &mut emit)
+                .map_err(|e| candle_core::Error::msg(format!("sequence {id}: {e}")))?;
+            match token {
+                Some(token) => {
                     keep.push(row);
                     next.push(token);
+                    self.seqs.push((id, seq));
                 }
+                None => finished.push((id, seq.into_generation())),
             }
         }
-        let mut finished = Vec::with_capacity(stopped.len());
-        let mut seqs: Vec<Option<Sequence>> = self.seqs.drain(..).map(Some).collect();
-        for (row, stop) in stopped {
-            if let Some(seq) = seqs[row].take() {
-                finished.push(seq.finish(stop));
-            }
-        }
-        self.seqs = seqs.into_iter().flatten().collect();
         if keep.is_empty() {
             return Ok(finished);
         }
@@ -293,7 +208,7 @@ impl<'g> Batch<'g> {
         let logits = model.step_checked(&ids, &mut cache)?;
         model.device().synchronize()?;
         let secs = start.elapsed().as_secs_f64();
-        for seq in &mut self.seqs {
+        for (_, seq) in &mut self.seqs {
             seq.decode_steps += 1;
             seq.decode_secs += secs;
         }

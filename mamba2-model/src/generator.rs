@@ -247,66 +247,128 @@ impl<'a> Generator<'a> {
         let ids = prompt.iter().map(|&t| i64::from(t));
         check_vocab(ids, &[prompt.len()], "prompt", vocab)?;
         let (model, device) = (self.model, self.model.device());
-        let mut sampler = Sampler::new(self.config.sampling)?;
+        let mut seq = Sequence::new(self.tokenizer, &self.config, prompt)?;
         let mut cache = model.new_cache(1)?;
 
         let start = Instant::now();
         let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
         let mut logits = model.prefill_checked(&ids, &mut cache)?.squeeze(0)?;
         device.synchronize()?;
-        let prefill_secs = start.elapsed().as_secs_f64();
+        seq.prefill_secs = start.elapsed().as_secs_f64();
 
-        let mut history = prompt.to_vec();
-        let mut tokens = Vec::new();
-        let mut stream = TextStream::with_context(self.tokenizer, prompt);
-        let mut out = StopFilter::new(&self.config.stop_strings);
-        let mut stop = StopReason::MaxNewTokens;
-        let mut decode_steps = 0;
         let start = Instant::now();
         let mut decoder = Decoder::new(model, cache, self.config.no_cuda_graph)?;
-        let at_step = |i: usize, e: candle_core::Error| {
-            candle_core::Error::msg(format!(
-                "generation step {i} (the logits after the {}-token prompt and {i} generated \
-                 tokens): {e}",
-                prompt.len()
-            ))
-        };
-        for i in 0..self.config.max_new_tokens {
-            let token = sampler
-                .sample(&logits, &history)
-                .map_err(|e| at_step(i, e))?;
-            if self.config.eos_token_ids.contains(&token) {
-                stop = StopReason::Eos;
-                break;
-            }
-            history.push(token);
-            tokens.push(token);
-            if out.push(&stream.push(token)?, &mut on_text)? {
-                stop = StopReason::StopString;
-                break;
-            }
-            if i + 1 < self.config.max_new_tokens {
-                logits = decoder.step(token).map_err(|e| at_step(i + 1, e))?;
-                decode_steps += 1;
-            }
-        }
-        if stop != StopReason::StopString {
-            if out.push(&stream.flush()?, &mut on_text)? {
-                stop = StopReason::StopString;
-            } else {
-                out.finish(&mut on_text)?;
-            }
+        while let Some(token) = seq.next(&logits, &self.config, &mut on_text)? {
+            let i = seq.tokens.len();
+            logits = decoder
+                .step(token)
+                .map_err(|e| at_step(prompt.len(), i, e))?;
+            seq.decode_steps += 1;
         }
         device.synchronize()?;
-        Ok(Generation {
-            text: out.text,
-            tokens,
-            stop,
+        seq.decode_secs = start.elapsed().as_secs_f64();
+        Ok(seq.into_generation())
+    }
+}
+
+/// An error of generation step `i` after a `prompt`-token prompt.
+fn at_step(prompt: usize, i: usize, e: candle_core::Error) -> candle_core::Error {
+    candle_core::Error::msg(format!(
+        "generation step {i} (the logits after the {prompt}-token prompt and {i} generated \
+         tokens): {e}"
+    ))
+}
+
+/// One sequence being generated: its sampler, history and generated tokens, its text stream and
+/// stop filter, and its timings. [`Generator::generate`] drives one; a [`Batch`] many.
+pub(crate) struct Sequence<'g> {
+    history: Vec<u32>,
+    pub(crate) tokens: Vec<u32>,
+    prompt_tokens: usize,
+    sampler: Sampler,
+    stream: TextStream<'g>,
+    out: StopFilter<'g>,
+    stop: Option<StopReason>,
+    pub(crate) prefill_secs: f64,
+    pub(crate) decode_steps: usize,
+    pub(crate) decode_secs: f64,
+}
+
+impl<'g> Sequence<'g> {
+    pub(crate) fn new(
+        tokenizer: &'g Tokenizer,
+        config: &'g GenerationConfig,
+        prompt: &[u32],
+    ) -> Result<Self> {
+        Ok(Self {
+            history: prompt.to_vec(),
+            tokens: Vec::new(),
             prompt_tokens: prompt.len(),
-            prefill_secs,
-            decode_steps,
-            decode_secs: start.elapsed().as_secs_f64(),
+            sampler: Sampler::new(config.sampling)?,
+            stream: TextStream::with_context(tokenizer, prompt),
+            out: StopFilter::new(&config.stop_strings),
+            stop: None,
+            prefill_secs: 0.0,
+            decode_steps: 0,
+            decode_secs: 0.0,
         })
+    }
+
+    /// One step: the next token from `logits [V]`, its newly complete text streamed to `emit`.
+    /// Returns the token to feed back, or `None` once the sequence has stopped (EOS, a stop
+    /// string, or `max_new_tokens` reached), its held-back text then emitted.
+    pub(crate) fn next(
+        &mut self,
+        logits: &Tensor,
+        config: &GenerationConfig,
+        emit: &mut impl FnMut(&str) -> Result<()>,
+    ) -> Result<Option<u32>> {
+        if self.stop.is_some() {
+            return Ok(None);
+        }
+        let i = self.tokens.len();
+        let reason = if i >= config.max_new_tokens {
+            StopReason::MaxNewTokens
+        } else {
+            let token = self
+                .sampler
+                .sample(logits, &self.history)
+                .map_err(|e| at_step(self.prompt_tokens, i, e))?;
+            if config.eos_token_ids.contains(&token) {
+                StopReason::Eos
+            } else {
+                self.history.push(token);
+                self.tokens.push(token);
+                if self.out.push(&self.stream.push(token)?, emit)? {
+                    self.stop = Some(StopReason::StopString);
+                    return Ok(None);
+                }
+                if self.tokens.len() < config.max_new_tokens {
+                    return Ok(Some(token));
+                }
+                StopReason::MaxNewTokens
+            }
+        };
+        self.stop = Some(if self.out.push(&self.stream.flush()?, emit)? {
+            StopReason::StopString
+        } else {
+            self.out.finish(emit)?;
+            reason
+        });
+        Ok(None)
+    }
+
+    /// The generation of a stopped sequence.
+    pub(crate) fn into_generation(self) -> Generation {
+        Generation {
+            text: self.out.text,
+            tokens: self.tokens,
+            stop: self.stop.unwrap_or(StopReason::MaxNewTokens),
+            prompt_tokens: self.prompt_tokens,
+            prefill_secs: self.prefill_secs,
+            decode_steps: self.decode_steps,
+            decode_secs: self.decode_secs,
+        }
     }
 }
 
@@ -354,14 +416,14 @@ impl<'m> Decoder<'m> {
 
 /// Passes text on, cutting it before the first stop string and holding back any tail that may
 /// still grow into one.
-pub(crate) struct StopFilter<'s> {
+struct StopFilter<'s> {
     stops: &'s [String],
-    pub(crate) text: String,
+    text: String,
     emitted: usize,
 }
 
 impl<'s> StopFilter<'s> {
-    pub(crate) fn new(stops: &'s [String]) -> Self {
+    fn new(stops: &'s [String]) -> Self {
         Self {
             stops,
             text: String::new(),
@@ -370,11 +432,7 @@ impl<'s> StopFilter<'s> {
     }
 
     /// Adds `piece`, emits what is safe; returns true when a stop string appeared.
-    pub(crate) fn push(
-        &mut self,
-        piece: &str,
-        emit: &mut impl FnMut(&str) -> Result<()>,
-    ) -> Result<bool> {
+    fn push(&mut self, piece: &str, emit: &mut impl FnMut(&str) -> Result<()>) -> Result<bool> {
         if piece.is_empty() {
             return Ok(false);
         }
@@ -406,7 +464,7 @@ impl<'s> StopFilter<'s> {
     }
 
     /// Emits everything still held back.
-    pub(crate) fn finish(&mut self, emit: &mut impl FnMut(&str) -> Result<()>) -> Result<()> {
+    fn finish(&mut self, emit: &mut impl FnMut(&str) -> Result<()>) -> Result<()> {
         if self.text.len() > self.emitted {
             emit(&self.text[self.emitted..])?;
             self.emitted = self.text.len();
