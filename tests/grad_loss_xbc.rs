@@ -1,14 +1,14 @@
-//! The two training-path ops: `cross_entropy` (value against candle's log-softmax composition,
-//! gradient against central finite differences in f64, bad input named) and `ssd_xbc` (the
-//! values and gradients of `ssd` on the three slices of xbc, and its gradients against finite
-//! differences).
+//! The training-path ops: `cross_entropy` (value against candle's log-softmax composition,
+//! gradient against central finite differences in f64, bad input named), `embedding` (rows picked,
+//! gradient against finite differences in f64 with repeated ids) and `ssd_xbc` (the values and
+//! gradients of `ssd` on the three slices of xbc, and its gradients against finite differences).
 
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use common::grad::{backward_grads, check_grads, weighted};
 use common::{expect_err, rel_err, Rng};
-use mamba2::kernels::{cross_entropy, ssd, ssd_xbc, DtOptions, SsdOptions};
+use mamba2::kernels::{cross_entropy, embedding, ssd, ssd_xbc, DtOptions, SsdOptions};
 
 fn targets(rows: usize, vocab: usize, rng: &mut Rng) -> Result<Tensor> {
     let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab) as u32).collect();
@@ -41,6 +41,29 @@ fn cross_entropy_equals_log_softmax_and_matches_finite_differences() -> Result<(
     })?;
     assert_eq!(cross_entropy(&logits, &ids)?.dtype(), DType::F32);
     assert_eq!(g[0].dtype(), DType::BF16);
+    Ok(())
+}
+
+#[test]
+fn embedding_picks_rows_and_matches_finite_differences() -> Result<()> {
+    let mut rng = Rng::new(9);
+    let weight = rng
+        .tensor(&[5, 3], 1.0, &Device::Cpu)?
+        .to_dtype(DType::F64)?;
+    // Repeated ids: their rows' gradients add up.
+    let ids = Tensor::new(&[[4u32, 0, 4], [2, 4, 0]], &Device::Cpu)?;
+    let y = embedding(&weight, &ids)?;
+    assert_eq!(y.dims(), &[2, 3, 3]);
+    let want = weight
+        .index_select(&ids.flatten_all()?, 0)?
+        .reshape((2, 3, 3))?;
+    assert_eq!(y.to_vec3::<f64>()?, want.to_vec3::<f64>()?);
+    let w = rng
+        .tensor(&[2, 3, 3], 1.0, &Device::Cpu)?
+        .to_dtype(DType::F64)?;
+    check_grads("embedding [5, 3]", &[weight], &|ins| {
+        weighted(&embedding(&ins[0], &ids)?, &w)
+    })?;
     Ok(())
 }
 
