@@ -35,6 +35,16 @@
 //!     --warmup 150 --schedule wsd --minutes 6 --eval-every 200 --save-every 0
 //! ```
 //!
+//! `--gpus N` (a build with `--features cuda,nccl`) trains data-parallel on N GPUs, one rank per
+//! GPU, each on its rows of every batch, the gradients averaged through NCCL
+//! (`train/parallel.rs`); the same seed and batch give one GPU's loss curve up to rounding, and
+//! a checkpoint continues with any number of GPUs:
+//!
+//! ```sh
+//! cargo run --release --features cuda,nccl --example train -- --device cuda --gpus 2 \
+//!     --dtype bf16 --data corpus.txt --config config.json --out runs/dp --batch-size 64
+//! ```
+//!
 //! On CUDA the optimizer is fused kernels over all weights and a step waits for the device once,
 //! to read its losses and gradient norm; the program ends with the peak GPU memory.
 //!
@@ -57,6 +67,8 @@ mod cli;
 mod curve;
 #[path = "train/data.rs"]
 mod data;
+#[path = "train/parallel.rs"]
+mod parallel;
 #[path = "train/run.rs"]
 mod run;
 #[path = "train/schedule.rs"]

@@ -194,10 +194,10 @@ pub struct Readout {
 }
 
 impl Stats {
-    /// The norm, the finiteness and `losses` (scalars on the update's device): one copy from the
-    /// device, which waits for the step's kernels.
-    pub fn read(self, losses: &[Tensor]) -> Result<Readout> {
-        let losses = Tensor::stack(losses, 0)?.to_dtype(DType::F32)?;
+    /// The norm, the finiteness and `losses` (a 1-D tensor on the update's device, one loss per
+    /// micro-batch): one copy from the device, which waits for the step's kernels.
+    pub fn read(self, losses: &Tensor) -> Result<Readout> {
+        let losses = losses.to_dtype(DType::F32)?;
         Ok(match self {
             Stats::Host { norm, finite } => Readout {
                 losses: losses.to_vec1::<f32>()?,

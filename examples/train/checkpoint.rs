@@ -45,6 +45,15 @@ pub struct TrainerState {
     pub sampler: u64,
     pub settings: Settings,
     pub data: DataRecord,
+    /// The ranks (GPUs) of the run that wrote this checkpoint, for information only: the data
+    /// position and the optimizer state are global, so any number of ranks continues it.
+    #[serde(default = "one")]
+    pub world_size: usize,
+}
+
+/// The world size of checkpoints written before runs had several ranks.
+fn one() -> usize {
+    1
 }
 
 /// The text a run trains on.
@@ -63,6 +72,7 @@ impl TrainerState {
         sampler: u64,
         settings: Settings,
         data: DataRecord,
+        world_size: usize,
     ) -> Self {
         Self {
             format: FORMAT.into(),
@@ -71,6 +81,7 @@ impl TrainerState {
             sampler,
             settings,
             data,
+            world_size,
         }
     }
 }

@@ -115,6 +115,19 @@ pub struct Args {
     /// Stop after this step with a checkpoint, as an interrupted run would (resume later)
     #[arg(long, allow_negative_numbers = true)]
     pub stop_after: Option<usize>,
+    /// Data-parallel over this many GPUs, one rank (a thread) per GPU: CUDA devices K..K+N−1
+    /// of --device cuda:K (cuda: 0..N−1); each GPU takes --batch-size / N rows of every
+    /// micro-batch, and the gradients are averaged through NCCL (needs --features cuda,nccl)
+    #[arg(long, default_value_t = 1)]
+    pub gpus: usize,
+    /// How the ranks' gradients are averaged: nccl, or none (one GPU, no communicator)
+    /// [default: none with --gpus 1, nccl with more]; --gpus 1 --all-reduce nccl runs the
+    /// NCCL path on one GPU
+    #[arg(long)]
+    pub all_reduce: Option<AllReduce>,
+    /// MiB of f32 gradients per all-reduce (consecutive weights flattened into one buffer)
+    #[arg(long, default_value_t = crate::parallel::BUCKET_MIB, value_parser = clap::value_parser!(u64).range(1..=1 << 14))]
+    pub bucket_mib: u64,
     /// Split the saved weights into safetensors shards of at most this many MiB of tensor data
     /// each (a larger tensor alone in its shard), with `model.safetensors.index.json`, for
     /// repositories that cap file sizes
@@ -141,6 +154,15 @@ impl fmt::Display for Schedule {
             Schedule::Wsd => "wsd",
         })
     }
+}
+
+/// How the gradients of the ranks are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AllReduce {
+    /// One rank, no communicator: the gradients are used as they are.
+    None,
+    /// NCCL's all-reduce, in buckets, averaged over the ranks.
+    Nccl,
 }
 
 /// The decay fraction of a WSD schedule unless given (`tools/train.py`'s).
@@ -377,4 +399,81 @@ pub fn device(spec: &str) -> Result<Device> {
             _ => bail!("--device must be cpu, cuda or cuda:N, got {s:?}"),
         },
     })
+}
+
+/// The ranks of a run: the device of each (rank r on `devices[r]`), and whether they average
+/// their gradients through NCCL (otherwise there is one rank).
+pub struct Ranks {
+    pub devices: Vec<Device>,
+    pub nccl: bool,
+}
+
+/// The ranks that `--device`, `--gpus` and `--all-reduce` give for micro-batches of
+/// `batch_size` rows; an error, before anything is read or written, when they do not fit
+/// together, the build lacks NCCL, or the GPUs are not there.
+pub fn ranks(args: &Args, batch_size: usize) -> Result<Ranks> {
+    let n = args.gpus;
+    if n == 0 {
+        bail!("--gpus must be at least 1, got 0")
+    }
+    let nccl = match args.all_reduce {
+        Some(AllReduce::Nccl) => true,
+        Some(AllReduce::None) if n > 1 => bail!(
+            "--all-reduce none leaves the ranks' gradients apart: --gpus {n} needs --all-reduce \
+             nccl (the default with more than one GPU)"
+        ),
+        Some(AllReduce::None) => false,
+        None => n > 1,
+    };
+    if !nccl {
+        return Ok(Ranks {
+            devices: vec![device(&args.device)?],
+            nccl,
+        });
+    }
+    let base = match args.device.as_str() {
+        "cuda" => 0,
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(k)) => k,
+            _ => bail!(
+                "--gpus {n} --all-reduce nccl trains one rank per CUDA device, not on --device \
+                 {s}: pass --device cuda (GPUs 0 to {}) or cuda:K (GPUs K to K+{0})",
+                n - 1
+            ),
+        },
+    };
+    if batch_size % n != 0 {
+        bail!(
+            "--batch-size {batch_size} does not split over --gpus {n}: each GPU takes \
+             batch-size / gpus rows of every micro-batch, so pass a multiple of {n}"
+        )
+    }
+    nccl_devices(base, n).map(|devices| Ranks {
+        devices,
+        nccl: true,
+    })
+}
+
+/// CUDA devices `base..base + n`, after checking that the driver has them.
+#[cfg(feature = "nccl")]
+fn nccl_devices(base: usize, n: usize) -> Result<Vec<Device>> {
+    let count = crate::parallel::nccl::device_count()?;
+    if base + n > count {
+        bail!(
+            "--gpus {n} from cuda:{base} needs CUDA devices {base}..{}, but the driver sees {count}",
+            base + n - 1
+        )
+    }
+    Ok((base..base + n)
+        .map(Device::new_cuda)
+        .collect::<candle_core::Result<_>>()?)
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_devices(_: usize, n: usize) -> Result<Vec<Device>> {
+    bail!(
+        "--gpus {n} / --all-reduce nccl needs NCCL, which this build lacks: build with \
+         `cargo build --release --features cuda,nccl --example train` (README, \"Training on \
+         several GPUs\")"
+    )
 }

@@ -245,3 +245,18 @@ impl Sampler {
         ids
     }
 }
+
+/// Rank `rank`'s part of a global micro-batch `ids` of `rows` rows of `len` tokens, row after
+/// row: its `rows / world` contiguous rows, rank 0 the first. The ranks' parts, in rank order,
+/// are the whole batch, so N ranks train on the sequences one rank would; `rows` must be a
+/// multiple of `world`.
+pub fn shard(ids: &[u32], rows: usize, len: usize, rank: usize, world: usize) -> Result<&[u32]> {
+    if world == 0 || rank >= world || rows % world != 0 || ids.len() != rows * len {
+        bail!(
+            "cannot split {} ids of {rows} rows × {len} into {world} equal parts for rank {rank}",
+            ids.len()
+        )
+    }
+    let per = rows / world * len;
+    Ok(&ids[rank * per..(rank + 1) * per])
+}
