@@ -211,8 +211,12 @@ pub fn bwd_chunk_state(t: Ty, s: Ty) -> String {
     format!("bwd_chunk_state_{}_{}", t.name(), s.name())
 }
 
-pub fn bwd_state_scan(s: Ty) -> String {
-    format!("bwd_state_scan_{}", s.name())
+pub fn bwd_state_scan(wide: bool, s: Ty) -> String {
+    format!(
+        "bwd_state_scan{}_{}",
+        if wide { "_v8" } else { "" },
+        s.name()
+    )
 }
 
 /// The backward of compute_out: each chunk's gradients of x, B, C, dt, a and D.
@@ -453,13 +457,15 @@ pub fn instances() -> Vec<Instance> {
         }
     }
     for s in STATES {
-        add(
-            &mut v,
-            "ssd/bwd_pass_state",
-            bwd_state_scan(s),
-            "BWD_STATE_SCAN",
-            &[s.c()],
-        );
+        for wide in [false, true] {
+            add(
+                &mut v,
+                "ssd/bwd_pass_state",
+                bwd_state_scan(wide, s),
+                "BWD_STATE_SCAN",
+                &[s.c(), if wide { "true" } else { "false" }],
+            );
+        }
         for deep in [false, true] {
             // Chunks of 8 states in flight per thread: 128 bytes, 256 in the deep ring.
             let per = (if deep { 256 } else { 128 } / (8 * s.bytes())).to_string();

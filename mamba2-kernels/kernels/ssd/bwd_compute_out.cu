@@ -56,9 +56,13 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
   float* xdhb = row + TOKENS;
   float* dyhc = xdhb + TOKENS;
   float* ddsum = dyhc + TOKENS;
-  float* red = ddsum + pp;
+  float* dsk = ddsum + pp;
+  float* red = dsk + pp;
 
-  const int ci = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+  // Program i takes (batch·head, chunk) = (i mod B·H, ⌊i / B·H⌋): the heads of a chunk side by
+  // side, so that a group's heads share its B and C tiles and their dB, dC atomics in L2.
+  const int nbh = d.batch * H, bh = blockIdx.x % nbh, ci = blockIdx.x / nbh;
+  const int b = bh / H, h = bh % H;
   const int hpg = H / G, grp = h / hpg;
   const int l0 = ci * TOKENS, tc = min(TOKENS, L - l0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
@@ -71,7 +75,10 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
     gs[t] = da[bhl + l0 + min(t, tc - 1)];
     col[t] = 0.f;
   }
-  for (int j = tid; j < pp; j += threads) ddsum[j] = 0.f;
+  for (int j = tid; j < pp; j += threads) {
+    ddsum[j] = 0.f;
+    dsk[j] = !dskip || j >= P ? 0.f : d.d_per_channel ? dskip[h * P + j] : dskip[h];
+  }
   const size_t tok = static_cast<size_t>(b) * L + l0;
   const size_t xo = (tok * H + h) * P, xstride = static_cast<size_t>(H) * P;
   const size_t bo = (tok * G + grp) * N, bstride = static_cast<size_t>(G) * N;
@@ -84,6 +91,7 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
             tid, threads);
   m2::stage(dhs, ldn, dstates + (static_cast<size_t>(bh) * nch + ci) * pn, N, P, N, pp, np, tid,
             threads);
+  m2::stage_wait();
   __syncthreads();
 
   const int m0 = warp * 16;
@@ -153,21 +161,17 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float dsum[2] = {0.f, 0.f};
+        const int c0 = p0 + 8 * j + m2::acc_col(lane, 0);
+        const float2 skip = *reinterpret_cast<const float2*>(dsk + c0);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int s = m0 + m2::acc_row(lane, 2 * half);
-          const int c0 = p0 + 8 * j + m2::acc_col(lane, 0);
-          float v[2];
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int jj = c0 + k, e = 2 * half + k;
-            const float xv = m2::to_f(xs[s * ldp + jj]), dv = m2::to_f(dys[s * ldp + jj]);
-            xb[half] += xv * st[j][e];
-            dsum[k] += xv * dv;
-            const float skip = !dskip ? 0.f : d.d_per_channel ? (jj < P ? dskip[h * P + jj] : 0.f)
-                                                              : dskip[h];
-            v[k] = acc[j][e] + rs[half] * st[j][e] + skip * dv;
-          }
+          const int s = m0 + m2::acc_row(lane, 2 * half), e = 2 * half;
+          const float2 xv = m2::load2(xs + s * ldp + c0), dv = m2::load2(dys + s * ldp + c0);
+          xb[half] += xv.x * st[j][e] + xv.y * st[j][e + 1];
+          dsum[0] += xv.x * dv.x;
+          dsum[1] += xv.y * dv.y;
+          const float v[2] = {acc[j][e] + rs[half] * st[j][e] + skip.x * dv.x,
+                              acc[j][e + 1] + rs[half] * st[j][e + 1] + skip.y * dv.y};
           if (s < tc) {
             T* dst = static_cast<T*>(out.dx) + xo + static_cast<size_t>(s) * xstride + c0;
             if (c0 + 1 < P && (P & 1) == 0) {
@@ -228,10 +232,13 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
       for (int j = 0; j < 8; ++j) {
         float v[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = m0 + m2::acc_row(lane, e), n = n0 + 8 * j + m2::acc_col(lane, e);
-          yc[e >> 1] += st[j][e] * m2::to_f(cs[t * ldn + n]);
-          v[e] = acc[j][e] + eg[e >> 1] * st[j][e];
+        for (int half = 0; half < 2; ++half) {
+          const int t = m0 + m2::acc_row(lane, 2 * half), n = n0 + 8 * j + m2::acc_col(lane, 0);
+          const float2 cv = m2::load2(cs + t * ldn + n);
+          const int e = 2 * half;
+          yc[half] += st[j][e] * cv.x + st[j][e + 1] * cv.y;
+          v[e] = acc[j][e] + eg[half] * st[j][e];
+          v[e + 1] = acc[j][e + 1] + eg[half] * st[j][e + 1];
         }
         m2::add_tile(dc, bstride, v, m0, n0 + 8 * j, tc, N, shared, lane);
       }
@@ -245,10 +252,11 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
 
   // ⟨dH', H⟩ over the tile (zero padding adds nothing).
   float dot = 0.f;
-  for (int i = tid; i < pp * np; i += threads) {
-    const int r = i / np, cidx = i % np;
-    dot += m2::to_f(hs[r * ldn + cidx]) * m2::to_f(dhs[r * ldn + cidx]);
-  }
+  for (int r = warp; r < pp; r += WARPS)
+    for (int col = 2 * lane; col < np; col += 64) {
+      const float2 hv = m2::load2(hs + r * ldn + col), gv = m2::load2(dhs + r * ldn + col);
+      dot += hv.x * gv.x + hv.y * gv.y;
+    }
   dot = m2::warp_sum(dot);
   if (lane == 0) red[warp] = dot;
   __syncthreads();

@@ -26,7 +26,10 @@ __device__ void bwd_chunk_state(const T* __restrict__ dy, const T* __restrict__ 
   T* dys = reinterpret_cast<T*>(m2::smem_aligned(smem_raw));
   T* cs = dys + TOKENS * ldp;
   float* scale = reinterpret_cast<float*>(cs + TOKENS * ldn);
-  const int ci = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+  // Program i takes (batch·head, chunk) = (i mod B·H, ⌊i / B·H⌋): a group's heads read a chunk's C
+  // tile side by side (from L2), and the last chunks, which bwd_state_scan reads first, come last.
+  const int nbh = d.batch * H, bh = blockIdx.x % nbh, ci = blockIdx.x / nbh;
+  const int b = bh / H, h = bh % H;
   const int grp = h / (H / d.ngroups);
   const int l0 = ci * TOKENS, tc = min(TOKENS, L - l0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -39,12 +42,13 @@ __device__ void bwd_chunk_state(const T* __restrict__ dy, const T* __restrict__ 
             blockDim.x);
   const size_t cstride = static_cast<size_t>(d.ngroups) * N;
   m2::stage(cs, ldn, c + (tok * d.ngroups + grp) * N, cstride, tc, N, TOKENS, np, tid, blockDim.x);
+  m2::stage_wait();
   __syncthreads();
-  // exp2(d_t) folded into C's rows.
-  for (int i = tid; i < TOKENS * np; i += blockDim.x) {
-    T* v = cs + (i / np) * ldn + i % np;
-    *v = m2::from_f<T>(m2::to_f(*v) * scale[i / np]);
-  }
+  // exp2(d_t) folded into the narrower tile's rows: dYᵀ·diag(s)·C either way.
+  if (pp <= np)
+    m2::scale_rows(dys, ldp, TOKENS, pp, scale, tid, blockDim.x);
+  else
+    m2::scale_rows(cs, ldn, TOKENS, np, scale, tid, blockDim.x);
   __syncthreads();
   const int nch = d.nchunks;
   S* out = dstates + (static_cast<size_t>(bh) * nch + ci) * P * N;
@@ -71,73 +75,63 @@ __device__ void bwd_chunk_state(const T* __restrict__ dy, const T* __restrict__ 
   }
 }
 
-// One thread per V consecutive state elements of one (batch, head) (16 bytes of S where the
-// row allows it, else one), chunks last to first; the next AHEAD chunks' contributions are
-// loaded ahead of the running sums that need them.
-template <typename S>
+// One element of S, as bwd_state_scan's ring holds it where a state's row is not a multiple of 8.
+template <typename S> struct One {
+  using Raw = S;
+  __device__ __forceinline__ static Raw load(const S* p, bool) { return *p; }
+  __device__ __forceinline__ static void unpack(const Raw& r, float (&v)[1]) { v[0] = m2::to_f(r); }
+  __device__ __forceinline__ static void store(S* p, const float (&v)[1]) {
+    *p = m2::from_f<S>(v[0]);
+  }
+};
+
+// One thread per W consecutive state elements of one (batch, head) (W = 8 where a state's row
+// allows it, else 1), chunks last to first, in place: slot c ← dH'_c, carried in f32. The loads
+// do not depend on the carry: a ring of PF chunks (256 bytes per thread where W = 8) and their
+// decays stays in flight, enough to cover the memory latency with the few threads a (batch,
+// head) gives.
+template <typename S, typename V, int W, int PF>
 __device__ void bwd_state_scan(const float* __restrict__ da, const float* __restrict__ dlast,
                                S* __restrict__ dstates, float* __restrict__ dinit,
                                const m2::SsdParams& d) {
-  constexpr int V = 16 / sizeof(S), AHEAD = 4;
-  const int pn = d.headdim * d.dstate, L = d.seqlen, nch = d.nchunks;
-  const int bh = blockIdx.y;
-  const bool wide = pn % V == 0;
-  const int e0 = (blockIdx.x * blockDim.x + threadIdx.x) * (wide ? V : 1);
+  const size_t pn = static_cast<size_t>(d.headdim) * d.dstate;
+  const int L = d.seqlen, nch = d.nchunks, bh = blockIdx.y;
+  const size_t e0 = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * W;
   m2::wait_prior_grid();
   if (e0 >= pn) return;
-  const int count = wide ? V : 1;
   const float* g = da + static_cast<size_t>(bh) * L;
   S* u = dstates + static_cast<size_t>(bh) * nch * pn + e0;
-  auto load = [&](int ci, float (&v)[V]) {
+  float carry[W];
 #pragma unroll
-    for (int k = 0; k < V; ++k) v[k] = 0.f;
-    if (ci < 0) return;
-    const S* p = u + static_cast<size_t>(ci) * pn;
-    if (wide) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(p);
-      const S* s = reinterpret_cast<const S*>(&raw);
-#pragma unroll
-      for (int k = 0; k < V; ++k) v[k] = m2::to_f(s[k]);
-    } else {
-      v[0] = m2::to_f(p[0]);
-    }
+  for (int k = 0; k < W; ++k) carry[k] = dlast ? dlast[static_cast<size_t>(bh) * pn + e0 + k] : 0.f;
+  typename V::Raw ring[PF];
+  float d_last[PF];
+  // Step k visits chunk nch − 1 − k.
+  auto fetch = [&](int k, int i) {
+    const int ci = nch - 1 - k;
+    ring[i] = V::load(u + static_cast<size_t>(ci) * pn, true);
+    d_last[i] = g[min(L, (ci + 1) * TOKENS) - 1];
   };
-  float carry[V];
 #pragma unroll
-  for (int k = 0; k < V; ++k)
-    carry[k] = dlast && k < count ? dlast[static_cast<size_t>(bh) * pn + e0 + k] : 0.f;
-  float next[AHEAD][V];
+  for (int i = 0; i < PF; ++i)
+    if (i < nch) fetch(i, i);
+  for (int k0 = 0; k0 < nch; k0 += PF) {
 #pragma unroll
-  for (int a = 0; a < AHEAD; ++a) load(nch - 1 - a, next[a]);
-  for (int base = nch - 1; base >= 0; base -= AHEAD) {
-    float cur[AHEAD][V];
+    for (int i = 0; i < PF; ++i) {
+      const int k = k0 + i;
+      if (k >= nch) break;
+      float local[W];
+      V::unpack(ring[i], local);
+      const float decay = m2::exp2_fast(d_last[i]);
+      if (k + PF < nch) fetch(k + PF, i);
+      V::store(u + static_cast<size_t>(nch - 1 - k) * pn, carry);
 #pragma unroll
-    for (int a = 0; a < AHEAD; ++a) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) cur[a][k] = next[a][k];
-      load(base - AHEAD - a, next[a]);
-    }
-#pragma unroll
-    for (int a = 0; a < AHEAD; ++a) {
-      const int ci = base - a;
-      if (ci < 0) break;
-      S* p = u + static_cast<size_t>(ci) * pn;
-      if (wide) {
-        uint4 raw;
-        S* s = reinterpret_cast<S*>(&raw);
-#pragma unroll
-        for (int k = 0; k < V; ++k) s[k] = m2::from_f<S>(carry[k]);
-        *reinterpret_cast<uint4*>(p) = raw;
-      } else {
-        p[0] = m2::from_f<S>(carry[0]);
-      }
-      const float decay = m2::exp2_fast(g[min(L, (ci + 1) * TOKENS) - 1]);
-#pragma unroll
-      for (int k = 0; k < V; ++k) carry[k] = decay * carry[k] + cur[a][k];
+      for (int j = 0; j < W; ++j) carry[j] = decay * carry[j] + local[j];
     }
   }
   if (dinit)
-    for (int k = 0; k < count; ++k) dinit[static_cast<size_t>(bh) * pn + e0 + k] = carry[k];
+#pragma unroll
+    for (int j = 0; j < W; ++j) dinit[static_cast<size_t>(bh) * pn + e0 + j] = carry[j];
 }
 
 }  // namespace
@@ -148,9 +142,13 @@ __device__ void bwd_state_scan(const float* __restrict__ da, const float* __rest
                                                          m2::SsdParams d) {                   \
     bwd_chunk_state<T, S>(dy, c, da, dstates, d);                                             \
   }
-#define BWD_STATE_SCAN(NAME, S)                                                               \
+// `_v8`: 8 elements per thread, a ring of 256 bytes; else one element, a ring of 16.
+#define BWD_STATE_SCAN(NAME, S, WIDE)                                                         \
   extern "C" __global__ void NAME(const float* da, const float* dlast, S* dstates,            \
                                   float* dinit, m2::SsdParams d) {                            \
-    bwd_state_scan<S>(da, dlast, dstates, dinit, d);                                          \
+    if constexpr (WIDE)                                                                       \
+      bwd_state_scan<S, m2::Vec8<S>, 8, 256 / (8 * sizeof(S))>(da, dlast, dstates, dinit, d); \
+    else                                                                                      \
+      bwd_state_scan<S, One<S>, 1, 16>(da, dlast, dstates, dinit, d);                         \
   }
 #include "ssd/bwd_pass_state.inc"

@@ -128,56 +128,97 @@ __device__ __forceinline__ float column_sum(float v) {
 
 // Rows [0, rows) × columns [0, cols) of a row-major global matrix (row stride `stride`
 // elements) into a shared tile of row length `ld` (a multiple of 8), converted to T; the rest of
-// the tile's `tile_rows` × `tile_cols` (a multiple of 8) is zero-filled. 16-byte loads where the
-// width, the stride and the address allow them, else one element at a time; each thread issues
-// a batch of loads before its first store (the stores could alias the loads as far as the
-// compiler knows, which would otherwise serialise every load's latency).
+// the tile's `tile_rows` × `tile_cols` (a multiple of 8) is zero-filled. Where S is T and the
+// width, the stride and the address allow 16-byte copies, they are cp.async copies left in flight
+// (the caller's `stage_wait` completes them); else 16-byte or single-element loads through
+// registers, a batch of U per thread before its first store (the stores could alias the loads as
+// far as the compiler knows, which would otherwise serialise every load's latency). Each thread
+// steps through the tile by (row, column) increments: no division per element.
 template <typename T, typename S>
 __device__ __forceinline__ void stage(T* dst, int ld, const S* src, size_t stride, int rows, int cols,
                                       int tile_rows, int tile_cols, int tid, int threads) {
   constexpr int V = 16 / sizeof(S), U = 8;
   const bool wide = cols % V == 0 && stride % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
-  if (wide) {
-    const int per_row = tile_cols / V, total = tile_rows * per_row;
-    for (int base = tid; base < total; base += U * threads) {
+  // Element i of the walk is (r, c) = (i / per_row, i % per_row) · (1, w): the thread's first, and
+  // the step of `threads` elements.
+  const int w = wide ? V : 1, per_row = tile_cols / w;
+  const int dr = threads / per_row, dc = threads % per_row;
+  int r = tid / per_row, c = tid % per_row;
+  auto next = [&](int& rr, int& cc) {
+    rr += dr;
+    cc += dc;
+    if (cc >= per_row) {
+      cc -= per_row;
+      ++rr;
+    }
+  };
+  if constexpr (sizeof(T) == sizeof(S)) {
+    if (wide) {
+      for (; r < tile_rows; next(r, c)) {
+        const bool in = r < rows && c * V < cols;
+        cp_async16(dst + r * ld + c * V, in ? src + r * stride + c * V : src, in);
+      }
+      return;
+    }
+  }
+  while (r < tile_rows) {
+    int rs[U], cs[U];
+    if (wide) {
       uint4 raw[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int i = base + u * threads, r = i / per_row, c = (i % per_row) * V;
-        raw[u] = i < total && r < rows && c < cols
-                     ? __ldg(reinterpret_cast<const uint4*>(src + r * stride + c))
+        rs[u] = r;
+        cs[u] = c * V;
+        raw[u] = r < rows && c * V < cols
+                     ? __ldg(reinterpret_cast<const uint4*>(src + r * stride + c * V))
                      : make_uint4(0, 0, 0, 0);
+        next(r, c);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int i = base + u * threads, r = i / per_row, c = (i % per_row) * V;
-        if (i >= total) break;
-        T* out = dst + r * ld + c;
-        if constexpr (sizeof(T) == sizeof(S) && V == 8) {
-          *reinterpret_cast<uint4*>(out) = raw[u];
-        } else {
-          const S* v = reinterpret_cast<const S*>(&raw[u]);
+        if (rs[u] >= tile_rows) break;
+        const S* v = reinterpret_cast<const S*>(&raw[u]);
+        T* out = dst + rs[u] * ld + cs[u];
 #pragma unroll
-          for (int k = 0; k < V; ++k) out[k] = from_f<T>(to_f(v[k]));
-        }
+        for (int k = 0; k < V; ++k) out[k] = from_f<T>(to_f(v[k]));
+      }
+    } else {
+      float v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        rs[u] = r;
+        cs[u] = c;
+        v[u] = r < rows && c < cols ? to_f(src[r * stride + c]) : 0.f;
+        next(r, c);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (rs[u] >= tile_rows) break;
+        dst[rs[u] * ld + cs[u]] = from_f<T>(v[u]);
       }
     }
-    return;
   }
-  const int total = tile_rows * tile_cols;
-  for (int base = tid; base < total; base += U * threads) {
-    float v[U];
+}
+
+// Completes this thread's `stage` copies still in flight (the caller then synchronises the
+// program before reading the tiles).
+__device__ __forceinline__ void stage_wait() {
+  cp_async_commit();
+  cp_async_wait<0>();
+}
+
+// Scales row r of a shared [rows, cols] tile (row length `ld`, cols a multiple of 8) by
+// scale[r], eight elements per step.
+template <typename T>
+__device__ __forceinline__ void scale_rows(T* tile, int ld, int rows, int cols, const float* scale,
+                                           int tid, int threads) {
+  const int per_row = cols / 8;
+  for (int i = tid; i < rows * per_row; i += threads) {
+    const int r = i / per_row;
+    T* p = tile + r * ld + (i - r * per_row) * 8;
+    const float f = scale[r];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = base + u * threads, r = i / tile_cols, c = i % tile_cols;
-      v[u] = i < total && r < rows && c < cols ? to_f(src[r * stride + c]) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = base + u * threads;
-      if (i >= total) break;
-      dst[(i / tile_cols) * ld + i % tile_cols] = from_f<T>(v[u]);
-    }
+    for (int k = 0; k < 8; ++k) p[k] = from_f<T>(to_f(p[k]) * f);
   }
 }
 

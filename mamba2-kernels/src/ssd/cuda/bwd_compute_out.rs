@@ -35,13 +35,13 @@ pub(super) struct BwdOutPtrs {
     pub dd: u64,
 }
 
-/// Shared memory of one program: x, dy, B, C, H and dH' padded to 64 columns, W and A, and the
-/// per-token sums.
+/// Shared memory of one program: x, dy, B, C, H and dH' padded to 64 columns, W and A, the
+/// per-token sums, and D's gradient and value per channel.
 pub(super) fn smem(p: &SsdParams, t: Ty) -> usize {
     let (pp, np) = (pad(p.headdim), pad(p.dstate));
     let tiles = 2 * TOKENS * (pp + 8) + 2 * TOKENS * (np + 8) + 2 * pp * (np + 8);
     let wa = 2 * TOKENS * (TOKENS + 8);
-    (tiles + wa) * t.bytes() + (6 * TOKENS + pp + 4) * 4 + 128
+    (tiles + wa) * t.bytes() + (6 * TOKENS + 2 * pp + 4) * 4 + 128
 }
 
 pub(super) fn launch_bwd_out(
@@ -63,7 +63,11 @@ pub(super) fn launch_bwd_out(
         )
     }
     let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s))?;
-    let grid = [p.nchunks as usize, p.batch as usize * p.nheads as usize, 1];
+    let grid = [
+        p.nchunks as usize * p.batch as usize * p.nheads as usize,
+        1,
+        1,
+    ];
     let c = cfg(name, stream, grid, [128, 1, 1], bytes)?;
     let args: [&dyn crate::cuda::Arg; 17] = [
         &q.x, &q.dy, &q.b, &q.c, &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx, &q.db,

@@ -51,14 +51,14 @@ pub(super) fn bwd_state_pass(
     let bh = p.batch as usize * p.nheads as usize;
     let f = function(stream, IMAGE, &instances::bwd_chunk_state(t, s))?;
     let smem = chunk_state_smem(p, t);
-    let grid = [p.nchunks as usize, bh, 1];
+    let grid = [p.nchunks as usize * bh, 1, 1];
     let c = cfg(name, stream, grid, [128, 1, 1], smem)?;
     launch(stream, &f, c, &[&q.dy, &q.c, &q.da, &q.dstates, p])?;
-    let f = function(stream, IMAGE, &instances::bwd_state_scan(s))?;
-    // V elements of 16 bytes per thread where a state's row allows it, else one.
+    // 8 elements per thread where a state's row allows it, else one.
     let pn = p.headdim as usize * p.dstate as usize;
-    let v = 16 / s.bytes();
-    let per_thread = if pn % v == 0 { v } else { 1 };
+    let wide = pn % 8 == 0;
+    let per_thread = if wide { 8 } else { 1 };
+    let f = function(stream, IMAGE, &instances::bwd_state_scan(wide, s))?;
     let c = cfg(
         name,
         stream,
