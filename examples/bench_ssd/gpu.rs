@@ -255,6 +255,13 @@ pub fn run(args: &Args) -> Result<()> {
             dstate: 128,
         },
         Shape {
+            name: "130m layer B1 L64",
+            batch: 1,
+            seqlen: 64,
+            nheads: 24,
+            dstate: 128,
+        },
+        Shape {
             name: "2.7b layer B1 L2048",
             batch: 1,
             seqlen: 2048,
