@@ -10,8 +10,9 @@
 //         + Σ_{s<r} r_s·x_s·(dH' B_s)
 // with col_j = dt_j·Σ_t decay_tj S_tj M_tj and row_t = Σ_s decay_ts S_ts M_ts dt_s: the pairs
 // (t ≥ r > s) that cross r, as an exclusive prefix sum whose diagonal terms cancel exactly.
-// The four warps own 16 rows each of every [64, ·] product; all tiles sit in shared memory,
-// zero-padded to multiples of 64 columns. Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
+// Eight warps: warp w owns rows 16·(w mod 4) and, of every block of 64 columns, the 32 from
+// 32·⌊w / 4⌋ of every [64, ·] product; all tiles sit in shared memory, zero-padded to multiples of
+// 64 columns. Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
 // (summed over the group's heads by atomics when it has several); ddt [B,H,L] f32 (processed
 // dt); da_part [B,H,C] f32; dd [H,P] f32 (atomics; null without D).
 #include "params.cuh"
@@ -19,7 +20,7 @@
 
 namespace {
 
-constexpr int TOKENS = 64, WARPS = 4, LDT = TOKENS + 8;
+constexpr int TOKENS = 64, WARPS = 8, LDT = TOKENS + 8;
 
 struct Grads {
   void* dx;
@@ -74,6 +75,9 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
     dts[t] = t < tc ? dt_out[bhl + l0 + t] : 0.f;
     gs[t] = da[bhl + l0 + min(t, tc - 1)];
     col[t] = 0.f;
+    row[t] = 0.f;
+    xdhb[t] = 0.f;
+    dyhc[t] = 0.f;
   }
   for (int j = tid; j < pp; j += threads) {
     ddsum[j] = 0.f;
@@ -94,18 +98,19 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
   m2::stage_wait();
   __syncthreads();
 
-  const int m0 = warp * 16;
+  // This warp's rows m0.. and its columns cw.. of each block of 64.
+  const int m0 = warp % 4 * 16, cw = warp / 4 * 32;
   const float g_last = gs[TOKENS - 1];
   // S = C·Bᵀ and M = dY·Xᵀ, then W, A and the sums of decay∘S∘M.
   {
-    float sacc[8][4], macc[8][4];
+    float sacc[4][4], macc[4][4];
     m2::zero(sacc);
     m2::zero(macc);
-    m2::WarpTile<T, false, false, 8>::mma(sacc, cs, ldn, bs, ldn, m0, 0, np, lane);
-    m2::WarpTile<T, false, false, 8>::mma(macc, dys, ldp, xs, ldp, m0, 0, pp, lane);
+    m2::WarpTile<T, false, false, 4>::mma(sacc, cs, ldn, bs, ldn, m0, cw, np, lane);
+    m2::WarpTile<T, false, false, 4>::mma(macc, dys, ldp, xs, ldp, m0, cw, pp, lane);
     float rz[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 4; ++j) {
       float cz[2] = {0.f, 0.f};
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -113,7 +118,7 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
         float wv[2], av[2];
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          const int e = 2 * half + k, s = 8 * j + m2::acc_col(lane, e);
+          const int e = 2 * half + k, s = cw + 8 * j + m2::acc_col(lane, e);
           wv[k] = 0.f;
           av[k] = 0.f;
           if (s <= t && t < tc) {
@@ -126,19 +131,19 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
             cz[k] += v;
           }
         }
-        m2::store2<T>(ws + t * LDT + 8 * j + m2::acc_col(lane, 0), wv[0], wv[1]);
-        m2::store2<T>(as + t * LDT + 8 * j + m2::acc_col(lane, 0), av[0], av[1]);
+        m2::store2<T>(ws + t * LDT + cw + 8 * j + m2::acc_col(lane, 0), wv[0], wv[1]);
+        m2::store2<T>(as + t * LDT + cw + 8 * j + m2::acc_col(lane, 0), av[0], av[1]);
       }
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const float v = m2::column_sum(cz[k]);
-        if (lane < 4) atomicAdd(&col[8 * j + m2::acc_col(lane, k)], v);
+        if (lane < 4) atomicAdd(&col[cw + 8 * j + m2::acc_col(lane, k)], v);
       }
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float v = m2::quad_sum(rz[half]);
-      if ((lane & 3) == 0) row[m0 + m2::acc_row(lane, 2 * half)] = v;
+      if ((lane & 3) == 0) atomicAdd(&row[m0 + m2::acc_row(lane, 2 * half)], v);
     }
   }
   __syncthreads();
@@ -153,15 +158,15 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
       rs[half] = m2::exp2_fast(g_last - gs[s]) * dts[s];
     }
     for (int p0 = 0; p0 < pp; p0 += 64) {
-      float acc[8][4], st[8][4];
+      float acc[4][4], st[4][4];
       m2::zero(acc);
       m2::zero(st);
-      m2::WarpTile<T, true, true, 8>::mma(acc, ws, LDT, dys, ldp, m0, p0, TOKENS, lane);
-      m2::WarpTile<T, false, false, 8>::mma(st, bs, ldn, dhs, ldn, m0, p0, np, lane);
+      m2::WarpTile<T, true, true, 4>::mma(acc, ws, LDT, dys, ldp, m0, p0 + cw, TOKENS, lane);
+      m2::WarpTile<T, false, false, 4>::mma(st, bs, ldn, dhs, ldn, m0, p0 + cw, np, lane);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 4; ++j) {
         float dsum[2] = {0.f, 0.f};
-        const int c0 = p0 + 8 * j + m2::acc_col(lane, 0);
+        const int c0 = p0 + cw + 8 * j + m2::acc_col(lane, 0);
         const float2 skip = *reinterpret_cast<const float2*>(dsk + c0);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -186,7 +191,7 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
 #pragma unroll
           for (int k = 0; k < 2; ++k) {
             const float v = m2::column_sum(dsum[k]);
-            if (lane < 4) atomicAdd(&ddsum[p0 + 8 * j + m2::acc_col(lane, k)], v);
+            if (lane < 4) atomicAdd(&ddsum[c0 + k], v);
           }
         }
       }
@@ -194,7 +199,7 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float v = m2::quad_sum(xb[half]);
-      if ((lane & 3) == 0) xdhb[m0 + m2::acc_row(lane, 2 * half)] = v;
+      if ((lane & 3) == 0) atomicAdd(&xdhb[m0 + m2::acc_row(lane, 2 * half)], v);
     }
   }
 
@@ -210,43 +215,44 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
     }
     const bool shared = hpg > 1;
     for (int n0 = 0; n0 < np; n0 += 64) {
-      float acc[8][4], st[8][4];
+      const int nw = n0 + cw;
+      float acc[4][4], st[4][4];
       m2::zero(acc);
       m2::zero(st);
-      m2::WarpTile<T, true, true, 8>::mma(acc, as, LDT, cs, ldn, m0, n0, TOKENS, lane);
-      m2::WarpTile<T, false, true, 8>::mma(st, xs, ldp, dhs, ldn, m0, n0, pp, lane);
+      m2::WarpTile<T, true, true, 4>::mma(acc, as, LDT, cs, ldn, m0, nw, TOKENS, lane);
+      m2::WarpTile<T, false, true, 4>::mma(st, xs, ldp, dhs, ldn, m0, nw, pp, lane);
       float* db = out.db + bo;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 4; ++j) {
         float v[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) v[e] = acc[j][e] + rs[e >> 1] * st[j][e];
-        m2::add_tile(db, bstride, v, m0, n0 + 8 * j, tc, N, shared, lane);
+        m2::add_tile(db, bstride, v, m0, nw + 8 * j, tc, N, shared, lane);
       }
       m2::zero(acc);
       m2::zero(st);
-      m2::WarpTile<T, false, true, 8>::mma(acc, as, LDT, bs, ldn, m0, n0, TOKENS, lane);
-      m2::WarpTile<T, false, true, 8>::mma(st, dys, ldp, hs, ldn, m0, n0, pp, lane);
+      m2::WarpTile<T, false, true, 4>::mma(acc, as, LDT, bs, ldn, m0, nw, TOKENS, lane);
+      m2::WarpTile<T, false, true, 4>::mma(st, dys, ldp, hs, ldn, m0, nw, pp, lane);
       float* dc = out.dc + bo;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 4; ++j) {
         float v[4];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int t = m0 + m2::acc_row(lane, 2 * half), n = n0 + 8 * j + m2::acc_col(lane, 0);
+          const int t = m0 + m2::acc_row(lane, 2 * half), n = nw + 8 * j + m2::acc_col(lane, 0);
           const float2 cv = m2::load2(cs + t * ldn + n);
           const int e = 2 * half;
           yc[half] += st[j][e] * cv.x + st[j][e + 1] * cv.y;
           v[e] = acc[j][e] + eg[half] * st[j][e];
           v[e + 1] = acc[j][e + 1] + eg[half] * st[j][e + 1];
         }
-        m2::add_tile(dc, bstride, v, m0, n0 + 8 * j, tc, N, shared, lane);
+        m2::add_tile(dc, bstride, v, m0, nw + 8 * j, tc, N, shared, lane);
       }
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float v = m2::quad_sum(yc[half]);
-      if ((lane & 3) == 0) dyhc[m0 + m2::acc_row(lane, 2 * half)] = v;
+      if ((lane & 3) == 0) atomicAdd(&dyhc[m0 + m2::acc_row(lane, 2 * half)], v);
     }
   }
 
@@ -314,7 +320,7 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
 }  // namespace
 
 #define BWD_COMPUTE_OUT(NAME, T, S)                                                             \
-  extern "C" __global__ void __launch_bounds__(128)                                             \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                             \
       NAME(const T* x, const T* dy, const T* b, const T* c, const float* dt_out, const float* da, \
            const S* states, const S* dstates, const float* dskip, const float* a, void* dx,       \
            float* db, float* dc, float* ddt, float* da_part, float* dd, m2::SsdParams d) {       \

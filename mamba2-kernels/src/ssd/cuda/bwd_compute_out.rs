@@ -13,6 +13,9 @@ use crate::instances;
 
 const IMAGE: Image = fatbin!("ssd_bwd_compute_out");
 
+/// Warps per program (the kernel's `WARPS`).
+const WARPS: usize = 8;
+
 /// What the kernel reads (values of the value type, states and their gradients of the state
 /// type, per-token steps f32; `dskip` 0: no D) and writes (`dx` of the value type, the rest f32;
 /// `dd` 0: no D).
@@ -41,7 +44,7 @@ pub(super) fn smem(p: &SsdParams, t: Ty) -> usize {
     let (pp, np) = (pad(p.headdim), pad(p.dstate));
     let tiles = 2 * TOKENS * (pp + 8) + 2 * TOKENS * (np + 8) + 2 * pp * (np + 8);
     let wa = 2 * TOKENS * (TOKENS + 8);
-    (tiles + wa) * t.bytes() + (6 * TOKENS + 2 * pp + 4) * 4 + 128
+    (tiles + wa) * t.bytes() + (6 * TOKENS + 2 * pp + WARPS) * 4 + 128
 }
 
 pub(super) fn launch_bwd_out(
@@ -68,7 +71,7 @@ pub(super) fn launch_bwd_out(
         1,
         1,
     ];
-    let c = cfg(name, stream, grid, [128, 1, 1], bytes)?;
+    let c = cfg(name, stream, grid, [32 * WARPS, 1, 1], bytes)?;
     let args: [&dyn crate::cuda::Arg; 17] = [
         &q.x, &q.dy, &q.b, &q.c, &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx, &q.db,
         &q.dc, &q.ddt, &q.da_part, &q.dd, p,
