@@ -436,8 +436,14 @@ pub fn ranks(args: &Args, batch_size: usize) -> Result<Ranks> {
         s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(k)) => k,
             _ => bail!(
-                "--gpus {n} --all-reduce nccl trains one rank per CUDA device, not on --device \
-                 {s}: pass --device cuda (GPUs 0 to {}) or cuda:K (GPUs K to K+{0})",
+                "{} trains one rank per CUDA device, not on --device {s}: pass --device cuda \
+                 (GPUs 0 to {}) or cuda:K (GPUs K to K+{})",
+                if n > 1 {
+                    format!("--gpus {n}")
+                } else {
+                    "--all-reduce nccl".to_string()
+                },
+                n - 1,
                 n - 1
             ),
         },
