@@ -25,12 +25,21 @@
 # On the GPU machine, with .gpu and .data sent along:
 #   bash tools/bench_train_gpu.sh [--steps N] [--books N] [--only shipped|130m] [--no-peer]
 # The summary goes to stdout and, when $OUT is set, to $OUT/bench_train_gpu.txt with the logs.
+#
+# Data parallelism: with --gpus N (N > 1; a train binary built with `--features cuda,nccl`, and
+# PyTorch's nvidia-nccl wheel on the machine for libnccl.so.2: tools/nccl-lib.sh --run-env), ours
+# runs three times per model on the same global batch and seed — one GPU, N GPUs, one GPU again —
+# and the summary adds tokens/s on N GPUs, the scaling efficiency (tokens/s on N ÷ N × on one) and
+# the largest per-step difference of the training loss from the one-GPU run, beside the one-GPU
+# run's own repeat (the GPU's run-to-run spread). E.g. the issue's check:
+#   bash tools/bench_train_gpu.sh --gpus 2 --steps 200 --no-peer
 set -uo pipefail
 
 steps=30
 books=20
 only=""
 peer=1
+gpus=1
 corpus=.data/gutenberg-114.txt.xz
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -38,6 +47,7 @@ while [[ $# -gt 0 ]]; do
     --books) books=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
     --no-peer) peer=0; shift ;;
+    --gpus) gpus=$2; shift 2 ;;
     --corpus) corpus=$2; shift 2 ;;
     *) echo "bench_train_gpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -45,6 +55,7 @@ done
 [[ $steps =~ ^[0-9]+$ && $steps -ge 8 ]] || { echo "--steps must be a number >= 8 (3 warm-up steps, 5 timed), got $steps" >&2; exit 2; }
 [[ $books =~ ^[0-9]+$ && $books -ge 1 ]] || { echo "--books must be a number >= 1, got $books" >&2; exit 2; }
 [[ -z $only || $only == shipped || $only == 130m ]] || { echo "--only must be shipped or 130m, got $only" >&2; exit 2; }
+[[ $gpus =~ ^[1-9][0-9]*$ ]] || { echo "--gpus must be a number >= 1, got $gpus" >&2; exit 2; }
 [[ -f $corpus ]] || { echo "no corpus at $corpus: copy ../shared/data/gutenberg-114.txt.xz into .data/ and carry .data" >&2; exit 2; }
 [[ -f .gpu/unpack.sh && ( -f .gpu/train.xz || -x .gpu/train ) ]] || { echo "no packed train binary in .gpu/: build and pack it (see the header of $0)" >&2; exit 2; }
 # The shipped model's FILE: weights/FILE, else .data/FILE.
@@ -60,6 +71,10 @@ report=${OUT:-$work}
 mkdir -p "$report"
 # shellcheck disable=SC1091
 source .gpu/unpack.sh
+if [[ $gpus -gt 1 ]]; then
+  nccl_env=$(bash tools/nccl-lib.sh --run-env) || exit 2
+  eval "$nccl_env"
+fi
 export PYTHONUNBUFFERED=1
 
 echo "preparing the text: $books training books and the 3 held-out books of $corpus"
@@ -116,9 +131,10 @@ used_mib() {
 
 summary=()
 
-# run_ours NAME CONFIG BATCH CTX
+# run_ours NAME CONFIG BATCH CTX [TRAIN FLAGS...]
 run_ours() {
   local name=$1 config=$2 batch=$3 ctx=$4 log="$report/ours_$1.log" out="$work/ours_$1"
+  shift 4
   local base pid rc
   base=$(used_mib)
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 -lms 100 > "$work/mem_ours_$name" 2>/dev/null &
@@ -127,7 +143,7 @@ run_ours() {
   .gpu/train --device cuda --dtype bf16 --data "$work/corpus.txt" --config "$config" \
     --tokenizer "$tokenizer" --out "$out" --steps "$steps" --batch-size "$batch" \
     --seq-len $((ctx + 1)) --lr 3e-3 --final-lr-frac 0.02 --warmup 5 --schedule wsd \
-    --eval-every 0 --save-every 0 > "$log" 2>&1
+    --eval-every 0 --save-every 0 --seed 1 "$@" > "$log" 2>&1
   rc=$?
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   tail -4 "$log"
@@ -166,12 +182,56 @@ run_peer() {
   summary+=("train.py $name: ${tps:-?} tokens/s; peak memory ${own:-? GiB} (torch, first step), $(peak_gib "$work/mem_peer_$name" "$base") GiB (nvidia-smi)")
 }
 
+# compare_gpus NAME CTX: tokens/s on $gpus GPUs against one (counted as steady_tps counts them),
+# and the training losses' largest per-step difference from the one-GPU run, with its repeat's
+# beside it.
+compare_gpus() {
+  local name=$1 ctx=$2
+  summary+=("$(python3 - "$work/ours_$name" "$work/ours_${name}_${gpus}gpu" "$work/ours_${name}_again" "$gpus" "$name" "$ctx" <<'PY'
+import csv, statistics, sys
+one, many, again, n, name, ctx = *sys.argv[1:4], int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+def rows(run):
+    try:
+        return list(csv.DictReader(open(f"{run}/train_log.csv")))
+    except OSError:
+        return []
+def losses(run):
+    return [float(r["train_loss"]) for r in rows(run) if r["train_loss"]]
+def tps(run):
+    v = [float(r["tokens_per_s"]) * ctx / (ctx + 1) for r in rows(run)
+         if r["tokens_per_s"] and int(r["step"]) > 3]
+    return statistics.median(v) if v else float("nan")
+a, b, c = losses(one), losses(many), losses(again)
+if not (a and b and c):
+    print(f"ours    {name}: {n} GPUs: a run is missing (see the logs)")
+    sys.exit()
+worst = lambda x, y: max(abs(p - q) for p, q in zip(x, y))
+t1, tn = tps(one), tps(many)
+print(f"ours    {name}: {n} GPUs {tn:,.0f} tokens/s against {t1:,.0f} on one: efficiency "
+      f"{tn / (n * t1):.1%}; training loss over {min(len(a), len(b))} steps: largest difference "
+      f"from one GPU {worst(a, b):.3e}, one GPU's own repeat {worst(a, c):.3e}")
+PY
+)")
+}
+
+# run_model NAME CONFIG BATCH CTX: ours (and with --gpus, on N GPUs and on one again).
+run_model() {
+  run_ours "$@"
+  if [[ $gpus -gt 1 ]]; then
+    local name=$1
+    shift
+    run_ours "${name}_${gpus}gpu" "$@" --gpus "$gpus"
+    run_ours "${name}_again" "$@"
+    compare_gpus "$name" "$3"
+  fi
+}
+
 if [[ -z $only || $only == shipped ]]; then
-  run_ours shipped "$config" 64 1024
+  run_model shipped "$config" 64 1024
   [[ $peer == 1 ]] && run_peer shipped 64 1024
 fi
 if [[ -z $only || $only == 130m ]]; then
-  run_ours 130m tools/mamba2_130m_config.json 8 2048
+  run_model 130m tools/mamba2_130m_config.json 8 2048
   [[ $peer == 1 ]] && run_peer 130m 8 2048 --hidden 768 --layers 24 --state 128 --head-dim 64 \
     --expand 2 --vocab-size 50288 --max-weight-mb 0
 fi

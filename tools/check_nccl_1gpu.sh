@@ -13,17 +13,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source .gpu/unpack.sh
-lib=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null)
-if [[ ! -e $lib/libnccl.so.2 ]]; then
-  lib=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' \
-    | xargs -n1 -I{} find {} -name libnccl.so.2 2>/dev/null | head -1 | xargs -r dirname)
-fi
-[[ -n $lib && -e $lib/libnccl.so.2 ]] || { echo "no libnccl.so.2 found in Python's packages" >&2; exit 1; }
-# NVLink multicast stays off on these machines (the program forces it too).
-export LD_LIBRARY_PATH=$lib:$LD_LIBRARY_PATH NCCL_NVLS_ENABLE=0
+env=$(bash tools/nccl-lib.sh --run-env) || exit 1
+eval "$env"
 log=${OUT:-/tmp}/nccl_1gpu.log
 {
-  echo "== libnccl.so.2 from $lib"
+  echo "== $env"
   test=$(ls .gpu/train_nccl-* 2>/dev/null | grep -v '\.xz$' | head -1)
   echo "== $test"
   RUST_BACKTRACE=1 timeout 600 "$test" --test-threads 1 --nocapture 2>&1

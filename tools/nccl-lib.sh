@@ -8,8 +8,21 @@
 #
 #   usage: tools/nccl-lib.sh [PREFIX]       (default PREFIX: /opt/nccl-pip)
 #   then:  source <(tools/nccl-lib.sh --env [PREFIX])   # sets LIBRARY_PATH for the linker
-# Idempotent: a second run only says where it is.
+# Idempotent: a second run only says where it is. On a machine that runs an `nccl` build (with
+# PyTorch's nvidia-nccl wheel):
+#   source <(bash tools/nccl-lib.sh --run-env)   # LD_LIBRARY_PATH to libnccl.so.2, NVLS off
 set -euo pipefail
+if [[ ${1:-} == --run-env ]]; then
+  lib=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null || true)
+  if [[ ! -e $lib/libnccl.so.2 ]]; then
+    lib=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' \
+      | xargs -n1 -I{} find {} -name libnccl.so.2 2>/dev/null | head -1 | xargs -r dirname)
+  fi
+  [[ -n $lib && -e $lib/libnccl.so.2 ]] || { echo "no libnccl.so.2 found in Python's packages" >&2; exit 1; }
+  # NVLink multicast stays off on these machines (the train example forces it too).
+  echo "export LD_LIBRARY_PATH=$lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} NCCL_NVLS_ENABLE=0"
+  exit 0
+fi
 if [[ ${1:-} == --env ]]; then
   echo "export LIBRARY_PATH=${2:-/opt/nccl-pip}/lib\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
   exit 0
