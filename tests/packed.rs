@@ -7,14 +7,17 @@
 
 mod common;
 
+use std::collections::HashMap;
+
 use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_nn::VarBuilder;
 use common::fixture::{case_names, root};
 use common::{rel_err, Rng};
 use mamba2::kernels::{
     causal_conv1d_split, causal_conv1d_split_packed, ssd, ssd_packed, ConvOptions, DtOptions,
     SsdOptions,
 };
-use mamba2::model::{Model, TrainableModel};
+use mamba2::model::{Config, LayerState, Mixer, Model, TrainableModel};
 use proptest::prelude::*;
 
 /// `[0, l_0, l_0 + l_1, …]`.
@@ -329,6 +332,77 @@ fn prefill_packed_gives_each_prompt_its_own_logits_and_states() -> Result<()> {
         .prefill_packed(&[&[1, 8192]])
         .expect_err("an id outside the vocabulary");
     assert!(err.to_string().contains("8192"), "{err}");
+    Ok(())
+}
+
+/// A mixer of random weights (the config's shapes, G = 2 groups, `limit` its dt_limit).
+fn random_mixer(limit: &str) -> Result<(Mixer, Config)> {
+    let cfg = Config::from_json(&format!(
+        r#"{{"hidden_size": 64, "expand": 2, "num_heads": 8, "head_dim": 16, "state_size": 16,
+            "n_groups": 2, "conv_kernel": 4, "chunk_size": 32, "time_step_limit": {limit},
+            "num_hidden_layers": 1, "vocab_size": 16}}"#
+    ))?;
+    let (dm, di, h, cd) = (cfg.d_model, cfg.d_inner(), cfg.nheads, cfg.conv_dim());
+    let dev = Device::Cpu;
+    let randn = |shape: &[usize], std: f32| Tensor::randn(0f32, std, shape, &dev);
+    let weights = [
+        ("in_proj.weight", randn(&[cfg.in_proj_dim(), dm], 0.125)),
+        ("conv1d.weight", randn(&[cd, 1, cfg.d_conv], 0.5)),
+        ("conv1d.bias", randn(&[cd], 0.1)),
+        ("A_log", Tensor::rand(0f32, 2.5, h, &dev)),
+        ("D", randn(&[h], 1.0)),
+        ("dt_bias", Tensor::rand(-4f32, -2., h, &dev)),
+        ("norm.weight", Tensor::rand(0.5f32, 1.5, di, &dev)),
+        ("out_proj.weight", randn(&[dm, di], 0.09)),
+    ];
+    let weights = weights
+        .into_iter()
+        .map(|(name, t)| Ok((name.to_string(), t?)))
+        .collect::<Result<HashMap<_, _>>>()?;
+    let vb = VarBuilder::from_tensors(weights, DType::F32, &dev);
+    Ok((Mixer::new(&cfg, vb)?, cfg))
+}
+
+#[test]
+fn mixer_packed_from_given_states_is_each_sequence_from_its_own() -> Result<()> {
+    // Lengths that group (2 and 3, 64 and 70) and that do not, shorter than the conv's 4 taps and
+    // of one token; the states are not zeros, so the conv state's window includes the initial one.
+    // dt_limit [0, ∞) runs the groups, [0.001, ∞) each sequence alone (a pad's dt would not be 0).
+    for limit in ["[0.0, 1e9]", "[0.001, 1e9]"] {
+        let (mixer, cfg) = random_mixer(limit)?;
+        let dev = Device::Cpu;
+        let lens = [2usize, 70, 1, 3, 64, 9];
+        let cu = offsets(&lens);
+        let (seqs, total) = (lens.len(), cu[lens.len()]);
+        let (cd, k, h) = (cfg.conv_dim(), cfg.d_conv, cfg.nheads);
+        let u = Tensor::randn(0f32, 1., (1, total, cfg.d_model), &dev)?;
+        let conv0 = Tensor::randn(0f32, 1., (seqs, cd, k), &dev)?;
+        let ssm0 = Tensor::randn(0f32, 0.1, (seqs, h, cfg.headdim, cfg.d_state), &dev)?;
+        let mut packed = LayerState {
+            conv: conv0.copy()?,
+            ssm: ssm0.copy()?,
+        };
+        let out = mixer.forward_packed(&u, &cu, &mut packed)?;
+        let mut worst = 0f64;
+        for (s, &len) in lens.iter().enumerate() {
+            let mut alone = LayerState {
+                conv: conv0.narrow(0, s, 1)?.copy()?,
+                ssm: ssm0.narrow(0, s, 1)?.copy()?,
+            };
+            let want = mixer.forward(&u.narrow(1, cu[s], len)?, &mut alone)?;
+            // Within `bound`, not bit for bit: a sequence alone runs in_proj on its own rows.
+            worst = worst
+                .max(rel_err(&out.narrow(1, cu[s], len)?, &want)?)
+                .max(rel_err(&packed.ssm.narrow(0, s, 1)?, &alone.ssm)?)
+                .max(rel_err(&packed.conv.narrow(0, s, 1)?, &alone.conv)?);
+        }
+        eprintln!("dt_limit {limit}: worst rel err {worst:e}");
+        assert!(worst <= bound(0), "{limit}: worst rel err {worst:e}");
+        let err = mixer
+            .forward_packed(&u, &[0, 5, total - 1], &mut packed)
+            .expect_err("offsets short of the packed length");
+        assert!(err.to_string().contains("cu_seqlens"), "{err}");
+    }
     Ok(())
 }
 

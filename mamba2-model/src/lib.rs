@@ -23,6 +23,7 @@ mod graph;
 pub mod hub;
 mod mixer;
 mod model;
+mod packing;
 mod sampler;
 mod text_stream;
 mod tokenizer;

@@ -19,7 +19,7 @@
 //! kernels on their tensor-core paths and bounds their shared memory. On the CPU the chunk is at
 //! most 64 tokens.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{
     causal_conv1d, causal_conv1d_split, causal_conv1d_split_packed, causal_conv1d_step_split,
@@ -28,6 +28,7 @@ use mamba2_kernels::{
 };
 
 use crate::cache::LayerState;
+use crate::packing::{Packing, PAD_DT};
 use crate::Config;
 
 /// On the CPU the scan runs in chunks of at most this many tokens: the work inside a chunk grows
@@ -175,7 +176,9 @@ impl Mixer {
     /// Runs the sequences packed along L of `u [1,T,d_model]` (sequence s on tokens
     /// `cu_seqlens[s]..cu_seqlens[s+1]`), each from its row of `state` (`S` rows), and leaves
     /// each one's state after its last token there. The projections and the norm run once over
-    /// the packed row; the conv and the scan per sequence (`causal_conv1d_split_packed`,
+    /// the packed row; the conv and the scan once per group of sequences of similar lengths, each
+    /// group a batch padded at its rows' ends (`crate::packing`), or, when a dt_limit above 0
+    /// would make a pad's dt nonzero, once per sequence (`causal_conv1d_split_packed`,
     /// `ssd_packed`).
     pub fn forward_packed(
         &self,
@@ -183,11 +186,132 @@ impl Mixer {
         cu_seqlens: &[usize],
         state: &mut LayerState,
     ) -> Result<Tensor> {
-        let states = Some((&state.conv, &state.ssm));
-        let (out, conv, ssm) = self.run_packed(u, cu_seqlens, states)?;
+        let packing = self.packing(cu_seqlens, u.device())?;
+        self.forward_packing(u, cu_seqlens, packing.as_ref(), state)
+    }
+
+    /// The groups that [`Mixer::forward_packing`] runs `cu_seqlens` in, or `None` where a pad's
+    /// dt would not be 0 (a dt_limit above 0 clamps it up): then each sequence runs alone. The
+    /// offsets are checked first.
+    pub(crate) fn packing(&self, cu_seqlens: &[usize], device: &Device) -> Result<Option<Packing>> {
+        Packing::check(cu_seqlens)?;
+        if self.dt_limit.0 > 0.0 {
+            return Ok(None);
+        }
+        Packing::new(cu_seqlens, self.conv_weight.dim(1)?, device).map(Some)
+    }
+
+    /// [`Mixer::forward_packed`] in the groups of `packing` (from [`Mixer::packing`] for the same
+    /// offsets; shared by every layer of a model).
+    pub(crate) fn forward_packing(
+        &self,
+        u: &Tensor,
+        cu_seqlens: &[usize],
+        packing: Option<&Packing>,
+        state: &mut LayerState,
+    ) -> Result<Tensor> {
+        let (total, seqs) = (cu_seqlens[cu_seqlens.len() - 1], cu_seqlens.len() - 1);
+        let (rows, t, _) = u.dims3()?;
+        if rows != 1 || t != total {
+            candle_core::bail!(
+                "packed mixer: u must be [1, {total}, d_model] for cu_seqlens ending at {total}, \
+                 got {:?}",
+                u.dims()
+            )
+        }
+        for (name, s) in [("conv", &state.conv), ("ssm", &state.ssm)] {
+            if s.dim(0)? != seqs {
+                candle_core::bail!(
+                    "packed mixer: {} {name} states for {seqs} sequences",
+                    s.dim(0)?
+                )
+            }
+        }
+        let states = (&state.conv, &state.ssm);
+        let (out, conv, ssm) = match packing {
+            Some(packing) => self.run_groups(u, packing, states)?,
+            None => self.run_packed(u, cu_seqlens, Some(states))?,
+        };
         state.conv.slice_set(&conv, 0, 0)?;
         state.ssm.slice_set(&ssm, 0, 0)?;
         Ok(out)
+    }
+
+    /// `(out, conv states, SSM states)` of the packed sequences of `u [1,T,d_model]` from the
+    /// `(conv, ssm)` states, one batched conv and scan per group of `packing` (its module doc).
+    fn run_groups(
+        &self,
+        u: &Tensor,
+        packing: &Packing,
+        states: (&Tensor, &Tensor),
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (di, h, p, gn) = self.sizes();
+        let conv_dim = di + 2 * gn;
+        let k = self.conv_weight.dim(1)?;
+        let (z, xbc, dt) = self.project(u)?;
+        let dev = u.device();
+        // Row T of the packed inputs is every pad's: zero inputs, dt PAD_DT.
+        let xbc = Tensor::cat(
+            &[
+                &xbc.squeeze(0)?,
+                &Tensor::zeros((1, conv_dim), xbc.dtype(), dev)?,
+            ],
+            0,
+        )?;
+        let pad_dt = Tensor::full(PAD_DT, (1, h), dev)?.to_dtype(dt.dtype())?;
+        let dt = Tensor::cat(&[&dt.squeeze(0)?, &pad_dt], 0)?;
+        let (mut ys, mut convs, mut ssms) = (Vec::new(), Vec::new(), Vec::new());
+        for g in &packing.groups {
+            let (rows, len) = (g.rows, g.len);
+            let xbc = xbc
+                .index_select(&g.gather, 0)?
+                .reshape((rows, len, conv_dim))?;
+            let dt = dt.index_select(&g.gather, 0)?.reshape((rows, len, h))?;
+            let conv0 = states.0.index_select(&g.members, 0)?;
+            let ssm0 = states.1.index_select(&g.members, 0)?;
+            let split = [di, gn, gn];
+            let conv_opts = self.conv_options();
+            let (parts, _) =
+                causal_conv1d_split(&xbc, &self.conv_weight, Some(&conv0), &conv_opts, &split)?;
+            // Each sequence's conv state: its last k inputs, after its initial state (the row's
+            // own state would end in pads).
+            let window = Tensor::cat(&[&conv0.transpose(1, 2)?, &xbc], 1)?
+                .reshape((rows * (k + len), conv_dim))?;
+            convs.push(
+                window
+                    .index_select(&g.conv_last, 0)?
+                    .reshape((rows, k, conv_dim))?
+                    .transpose(1, 2)?
+                    .contiguous()?,
+            );
+            let groups = (rows, len, self.ngroups, self.d_state);
+            let opts = SsdOptions {
+                chunk_size: self.chunk_for(u),
+                dt: self.dt_options(),
+                d: Some(&self.d),
+                z: None,
+                initial_state: Some(&ssm0),
+                state_dtype: DType::F32,
+            };
+            let (y, ssm) = ssd(
+                &parts[0].reshape((rows, len, h, p))?,
+                &dt,
+                &self.a,
+                &parts[1].reshape(groups)?,
+                &parts[2].reshape(groups)?,
+                &opts,
+            )?;
+            ys.push(y.reshape((rows * len, di))?);
+            ssms.push(ssm);
+        }
+        let back = |parts: &[Tensor], index: &Tensor| Tensor::cat(parts, 0)?.index_select(index, 0);
+        let y = back(&ys, &packing.tokens_back)?.unsqueeze(0)?;
+        let y = gated_rms_norm(&y, &z, &self.norm, self.group_size, self.eps)?;
+        Ok((
+            rows_linear(&self.out_proj, &y)?,
+            back(&convs, &packing.states_back)?,
+            back(&ssms, &packing.states_back)?,
+        ))
     }
 
     /// [`Mixer::forward_packed`] from zero states, as training on packed documents does: every

@@ -264,8 +264,9 @@ impl Model {
         }
     }
 
-    /// Prefills the prompts packed into one row (their tokens back to back, no padding) from
-    /// empty states: returns the logits `[S,V]` (f32) after each prompt's last token and a cache
+    /// Prefills the prompts packed into one row (their tokens back to back; the conv and the scan
+    /// in groups of similar lengths, see [`Mixer::forward_packed`](crate::Mixer::forward_packed))
+    /// from empty states: returns the logits `[S,V]` (f32) after each prompt's last token and a cache
     /// of S rows, each prompt's state, as if each were prefilled alone. Every id is checked
     /// against the vocabulary first. The whole pack runs at once (no bounded pieces): split a
     /// very large set of prompts into several calls and [`Cache::join`] their caches.
@@ -310,10 +311,17 @@ impl Model {
         let mut cache = self.new_cache(prompts.len())?;
         let mut h = self.embed(&ids)?;
         let mut residual = None;
+        // One grouping for every layer (their mixers differ only in weights).
+        let packing = match self.blocks.first() {
+            Some(block) => block.mixer.packing(&cu, &self.device)?,
+            None => None,
+        };
         for (block, state) in self.blocks.iter().zip(cache.layers_mut()) {
             let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
             residual = Some(r);
-            h = block.mixer.forward_packed(&normed, &cu, state)?;
+            h = block
+                .mixer
+                .forward_packing(&normed, &cu, packing.as_ref(), state)?;
         }
         let last: Vec<u32> = cu[1..].iter().map(|&e| (e - 1) as u32).collect();
         let last = Tensor::new(last.as_slice(), &self.device)?;
