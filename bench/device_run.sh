@@ -8,12 +8,19 @@
 #   bash bench/device_run.sh [TRAIN_MINUTES]        (default 0: no training)
 #   ROUNDS=N       rounds of this build's and the previous build's bench_ssd (default 2)
 #   BENCH_MODEL=0  skips bench_model and generate;  PEER_BWD=1 times the peer's backward too
+# With a `--nccl` pack (.gpu/train_nccl), libnccl.so.2 comes from PyTorch's wheel, the NCCL check
+# at world size 1 runs after the tests, and on a machine of two or more GPUs the data-parallel
+# benchmark too (tools/bench_train_gpu.sh --gpus 2; it needs .data, as its header says).
 # Logs go to $OUT: kernels.log, peer.log, model.log, tests.log (and train.log with the weights
 # bundle).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 minutes=${1:-0}
 source .gpu/unpack.sh
+nccl=0
+if [[ -e .gpu/train_nccl.xz || -x .gpu/train_nccl ]]; then
+  nccl_env=$(bash tools/nccl-lib.sh --run-env) && eval "$nccl_env" && nccl=1
+fi
 {
   echo "== SASS: tensor-core instructions per fatbin (sm_90a image)"
   for f in .gpu/fatbin/*.fatbin; do
@@ -87,3 +94,13 @@ if [[ -n $train_pid ]]; then
   tail -5 "$OUT/train.log"
 fi
 grep -E "test result|panicked|worst|rel err" "$OUT/tests.log" | head -40
+if [[ $nccl == 1 ]]; then
+  timeout 900 bash tools/check_nccl_1gpu.sh > "$OUT/nccl_console.log" 2>&1
+  echo "check_nccl_1gpu rc=$?"
+  grep -E "test result|200 steps" "$OUT/nccl_console.log"
+  if [[ $(nvidia-smi -L | wc -l) -ge 2 && -f .data/gutenberg-114.txt.xz ]]; then
+    timeout 1200 bash tools/bench_train_gpu.sh --gpus 2 --steps 200 --no-peer > "$OUT/gpus2.log" 2>&1
+    echo "bench_train_gpu --gpus 2 rc=$?"
+    tail -4 "$OUT/gpus2.log"
+  fi
+fi

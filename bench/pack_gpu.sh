@@ -4,17 +4,32 @@
 # --base REV it also builds bench_ssd at commit REV (in a worktree, with a target dir of its own:
 # cargo keys a workspace's artifacts by paths relative to it, so two checkouts sharing one target
 # dir would take each other's builds as fresh) and packs it as bench_ssd_base, which
-# device_run.sh alternates with this build's.
-#   bash bench/pack_gpu.sh [--base REV]
+# device_run.sh alternates with this build's. With --nccl the build has the `nccl` feature (NCCL
+# installed here for linking by tools/nccl-lib.sh) and also packs the train example and
+# tests/train_nccl.rs; every binary then needs libnccl.so.2 there (device_run.sh finds it).
+#   bash bench/pack_gpu.sh [--base REV] [--nccl]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=
-[[ ${1:-} == --base ]] && base=$2
-source <(bash ../shared/gpu/cuda-toolkit.sh --env)
-target=${CARGO_TARGET_DIR:-$PWD/target}
+features=cuda
 tests=(ssd_cuda ssd_errors model_cuda grad_ssd_cuda grad_cuda model_grad_cuda packed_cuda)
 examples=(bench_ssd bench_model generate)
-json=$(cargo build --release --features cuda --tests --examples --message-format=json)
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --base) base=$2; shift 2 ;;
+    --nccl)
+      features=cuda,nccl
+      tests+=(train_nccl)
+      examples+=(train)
+      bash tools/nccl-lib.sh >/dev/null
+      source <(bash tools/nccl-lib.sh --env)
+      shift ;;
+    *) echo "pack_gpu.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+source <(bash ../shared/gpu/cuda-toolkit.sh --env)
+target=${CARGO_TARGET_DIR:-$PWD/target}
+json=$(cargo build --release --features "$features" --tests --examples --message-format=json)
 pick() {  # the executable of target $1 of kind $2 (test | example)
   python3 -c '
 import sys, json

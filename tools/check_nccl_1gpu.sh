@@ -18,7 +18,7 @@ eval "$env"
 log=${OUT:-/tmp}/nccl_1gpu.log
 {
   echo "== $env"
-  test=$(ls .gpu/train_nccl-* 2>/dev/null | grep -v '\.xz$' | head -1)
+  test=$(ls .gpu/train_nccl .gpu/train_nccl-* 2>/dev/null | grep -v '\.xz$' | head -1)
   echo "== $test"
   RUST_BACKTRACE=1 timeout 600 "$test" --test-threads 1 --nocapture 2>&1
   echo "train_nccl rc=$?"
