@@ -352,8 +352,8 @@ pub(crate) fn rows_view(t: &Tensor) -> Result<Tensor> {
 
 /// Checks sequence offsets `cu_seqlens` (`[0, l_0, l_0 + l_1, …, total]`) of sequences packed
 /// along a dim of length `total`: starts at 0, ends at `total`, every sequence at least one
-/// token. Returns the sequence count.
-pub(crate) fn cu_seqlens(op: &str, cu: &[usize], total: usize) -> Result<usize> {
+/// token; `op` names the caller in the error. Returns the sequence count.
+pub fn cu_seqlens(op: &str, cu: &[usize], total: usize) -> Result<usize> {
     if cu.len() < 2 || cu[0] != 0 || cu[cu.len() - 1] != total {
         bail!(
             "{op}: cu_seqlens must run from 0 to the packed length {total} with one offset more \

@@ -54,7 +54,7 @@ mod slot;
 mod ssd;
 mod ssd_step;
 
-pub use check::{MAX_CHUNK_SIZE, MAX_DIM};
+pub use check::{cu_seqlens as check_cu_seqlens, MAX_CHUNK_SIZE, MAX_DIM};
 pub use conv::{
     causal_conv1d, causal_conv1d_split, causal_conv1d_split_packed, causal_conv1d_step,
     causal_conv1d_step_split, ConvOptions,

@@ -23,8 +23,8 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{
     causal_conv1d, causal_conv1d_split, causal_conv1d_split_packed, causal_conv1d_step_split,
-    gated_rms_norm, matvec, ssd, ssd_packed, ssd_step, ssd_xbc, ConvOptions, DtOptions, SsdOptions,
-    StepOptions,
+    check_cu_seqlens, gated_rms_norm, matvec, ssd, ssd_packed, ssd_step, ssd_xbc, ConvOptions,
+    DtOptions, SsdOptions, StepOptions,
 };
 
 use crate::cache::LayerState;
@@ -194,7 +194,8 @@ impl Mixer {
     /// dt would not be 0 (a dt_limit above 0 clamps it up): then each sequence runs alone. The
     /// offsets are checked first.
     pub(crate) fn packing(&self, cu_seqlens: &[usize], device: &Device) -> Result<Option<Packing>> {
-        Packing::check(cu_seqlens)?;
+        let total = cu_seqlens.last().copied().unwrap_or(0);
+        check_cu_seqlens("packed mixer", cu_seqlens, total)?;
         if self.dt_limit.0 > 0.0 {
             return Ok(None);
         }

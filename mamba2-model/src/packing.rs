@@ -92,30 +92,9 @@ fn cut(sorted: &[usize], cost: usize) -> Vec<(usize, usize)> {
 }
 
 impl Packing {
-    /// An error unless `cu_seqlens` starts at 0 and increases (every sequence at least one token).
-    pub fn check(cu_seqlens: &[usize]) -> Result<()> {
-        if cu_seqlens.len() < 2 || cu_seqlens[0] != 0 {
-            candle_core::bail!(
-                "packed sequences: cu_seqlens must start at 0 with one offset more than there are \
-                 sequences, got {cu_seqlens:?}"
-            )
-        }
-        if let Some(i) = cu_seqlens.windows(2).position(|w| w[1] <= w[0]) {
-            candle_core::bail!(
-                "packed sequences: cu_seqlens must increase (every sequence at least one token): \
-                 offset {} is {} after {}",
-                i + 1,
-                cu_seqlens[i + 1],
-                cu_seqlens[i]
-            )
-        }
-        Ok(())
-    }
-
-    /// The groups of the sequences `cu_seqlens` (`[0, l_0, l_0 + l_1, …, T]`, as [`Packing::check`]
-    /// accepts) for a conv of `d_conv` taps.
+    /// The groups of the sequences `cu_seqlens` (`[0, l_0, l_0 + l_1, …, T]`, as
+    /// `mamba2_kernels::check_cu_seqlens` accepts them) for a conv of `d_conv` taps.
     pub fn new(cu_seqlens: &[usize], d_conv: usize, device: &Device) -> Result<Self> {
-        Self::check(cu_seqlens)?;
         let seqs = cu_seqlens.len() - 1;
         let total = cu_seqlens[seqs];
         let lens: Vec<usize> = cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
