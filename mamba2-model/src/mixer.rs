@@ -261,6 +261,7 @@ impl Mixer {
         )?;
         let pad_dt = Tensor::full(PAD_DT, (1, h), dev)?.to_dtype(dt.dtype())?;
         let dt = Tensor::cat(&[&dt.squeeze(0)?, &pad_dt], 0)?;
+        let (split, conv_opts) = ([di, gn, gn], self.conv_options());
         let (mut ys, mut convs, mut ssms) = (Vec::new(), Vec::new(), Vec::new());
         for g in &packing.groups {
             let (rows, len) = (g.rows, g.len);
@@ -270,8 +271,6 @@ impl Mixer {
             let dt = dt.index_select(&g.gather, 0)?.reshape((rows, len, h))?;
             let conv0 = states.0.index_select(&g.members, 0)?;
             let ssm0 = states.1.index_select(&g.members, 0)?;
-            let split = [di, gn, gn];
-            let conv_opts = self.conv_options();
             let (parts, _) =
                 causal_conv1d_split(&xbc, &self.conv_weight, Some(&conv0), &conv_opts, &split)?;
             // Each sequence's conv state: its last k inputs, after its initial state (the row's
