@@ -103,6 +103,31 @@ impl Mixer {
         }
     }
 
+    /// The scan's options for `u`'s device, from `initial_state` (zeros when `None`); states f32.
+    fn ssd_options<'a>(&'a self, u: &Tensor, initial_state: Option<&'a Tensor>) -> SsdOptions<'a> {
+        SsdOptions {
+            chunk_size: self.chunk_for(u),
+            dt: self.dt_options(),
+            d: Some(&self.d),
+            z: None,
+            initial_state,
+            state_dtype: DType::F32,
+        }
+    }
+
+    /// `out_proj(rmsnorm_per_group(y · silu(z)) · w)` of the scan's `y` (any shape of `z`'s
+    /// elements, reshaped to `z`'s).
+    fn output(&self, y: &Tensor, z: &Tensor) -> Result<Tensor> {
+        let y = gated_rms_norm(
+            &y.reshape(z.shape())?,
+            z,
+            &self.norm,
+            self.group_size,
+            self.eps,
+        )?;
+        rows_linear(&self.out_proj, &y)
+    }
+
     fn conv_options(&self) -> ConvOptions<'_> {
         ConvOptions {
             bias: self.conv_bias.as_ref(),
@@ -285,14 +310,7 @@ impl Mixer {
                     .contiguous()?,
             );
             let groups = (rows, len, self.ngroups, self.d_state);
-            let opts = SsdOptions {
-                chunk_size: self.chunk_for(u),
-                dt: self.dt_options(),
-                d: Some(&self.d),
-                z: None,
-                initial_state: Some(&ssm0),
-                state_dtype: DType::F32,
-            };
+            let opts = self.ssd_options(u, Some(&ssm0));
             let (y, ssm) = ssd(
                 &parts[0].reshape((rows, len, h, p))?,
                 &dt,
@@ -305,10 +323,9 @@ impl Mixer {
             ssms.push(ssm);
         }
         let back = |parts: &[Tensor], index: &Tensor| Tensor::cat(parts, 0)?.index_select(index, 0);
-        let y = back(&ys, &packing.tokens_back)?.unsqueeze(0)?;
-        let y = gated_rms_norm(&y, &z, &self.norm, self.group_size, self.eps)?;
+        let y = back(&ys, &packing.tokens_back)?;
         Ok((
-            rows_linear(&self.out_proj, &y)?,
+            self.output(&y, &z)?,
             back(&convs, &packing.states_back)?,
             back(&ssms, &packing.states_back)?,
         ))
@@ -343,23 +360,9 @@ impl Mixer {
         let x = xbc[0].reshape((1, t, h, p))?;
         let bm = xbc[1].reshape(groups)?;
         let cm = xbc[2].reshape(groups)?;
-        let opts = SsdOptions {
-            chunk_size: self.chunk_for(u),
-            dt: self.dt_options(),
-            d: Some(&self.d),
-            z: None,
-            initial_state: states.map(|s| s.1),
-            state_dtype: DType::F32,
-        };
+        let opts = self.ssd_options(u, states.map(|s| s.1));
         let (y, ssm) = ssd_packed(&x, &dt, &self.a, &bm, &cm, cu_seqlens, &opts)?;
-        let y = gated_rms_norm(
-            &y.reshape((1, t, di))?,
-            &z,
-            &self.norm,
-            self.group_size,
-            self.eps,
-        )?;
-        Ok((rows_linear(&self.out_proj, &y)?, conv, ssm))
+        Ok((self.output(&y, &z)?, conv, ssm))
     }
 
     /// Runs whole sequences `u [B,L,d_model]` from zero states, as training does: every op on the
@@ -379,14 +382,7 @@ impl Mixer {
         let (b, l, _) = u.dims3()?;
         let (di, h, p, gn) = self.sizes();
         let (z, xbc, dt) = self.project(u)?;
-        let opts = SsdOptions {
-            chunk_size: self.chunk_for(u),
-            dt: self.dt_options(),
-            d: Some(&self.d),
-            z: None,
-            initial_state: ssm_state,
-            state_dtype: DType::F32,
-        };
+        let opts = self.ssd_options(u, ssm_state);
         let conv_opts = self.conv_options();
         let (y, conv, ssm) = if xbc.track_op() {
             // Training: the conv's output goes to the scan whole, so that its gradient comes back
@@ -406,14 +402,7 @@ impl Mixer {
             let (y, ssm) = ssd(&x, &dt, &self.a, &bm, &cm, &opts)?;
             (y, conv, ssm)
         };
-        let y = gated_rms_norm(
-            &y.reshape((b, l, di))?,
-            &z,
-            &self.norm,
-            self.group_size,
-            self.eps,
-        )?;
-        Ok((rows_linear(&self.out_proj, &y)?, conv, ssm))
+        Ok((self.output(&y, &z)?, conv, ssm))
     }
 
     /// Runs one token `u [B,d_model]`, updating `state` in place.
