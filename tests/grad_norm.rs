@@ -216,3 +216,26 @@ fn f32_gradients_agree_with_f64() -> Result<()> {
     compare("add norm", &backward_grads(&to32(&ins)?, &loss)?, &want)?;
     Ok(())
 }
+
+/// `gated_rms_norm_backward`, the backward without autograd, returns autograd's gradients (which
+/// the finite differences above check).
+#[test]
+fn gated_norm_backward_without_autograd_equals_autograd() -> Result<()> {
+    let (shape, group) = (vec![3, 5, 12], 4);
+    let (ins, lw) = gated_inputs(&shape, 12, 7)?;
+    let want = backward_grads(&ins, &|ins| gated_loss(ins, group, &lw))?;
+    let (dx, dz, dw) =
+        mamba2::kernels::gated_rms_norm_backward(&ins[0], &ins[1], &ins[2], group, EPS, &lw)?;
+    for (name, got, want) in [
+        ("dx", dx, &want[0]),
+        ("dz", dz, &want[1]),
+        ("dweight", dw, &want[2]),
+    ] {
+        let err = rel_err(&got, want)?;
+        assert!(err < 1e-12, "{name}: {err}");
+    }
+    let bad = mamba2::kernels::gated_rms_norm_backward(&ins[0], &ins[1], &ins[2], 5, EPS, &lw);
+    let msg = bad.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("group_size (5) must divide"), "{msg}");
+    Ok(())
+}

@@ -363,11 +363,16 @@ pub(crate) fn gradient<T: Real>(v: Vec<T>, arg: &Tensor) -> Result<Option<Tensor
     if !arg.track_op() {
         return Ok(None);
     }
-    let shape = arg.shape().clone();
+    values_like(v, arg).map(Some)
+}
+
+/// Host values `v` as a CPU tensor of `like`'s shape and dtype, recording nothing.
+pub(crate) fn values_like<T: Real>(v: Vec<T>, like: &Tensor) -> Result<Tensor> {
+    let shape = like.shape().clone();
     if v.len() != shape.elem_count() {
         bail!("{} gradient values for shape {shape:?}", v.len())
     }
-    let storage = Storage::Cpu(to_storage(v, arg.dtype())?);
+    let storage = Storage::Cpu(to_storage(v, like.dtype())?);
     let none = candle_core::op::BackpropOp::none();
-    Ok(Some(Tensor::from_storage(storage, shape, none, false)))
+    Ok(Tensor::from_storage(storage, shape, none, false))
 }

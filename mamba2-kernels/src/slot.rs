@@ -25,7 +25,6 @@ impl Slot {
 
     /// The stored storage itself (once), for an op whose output it becomes; an error when the op
     /// stored none.
-    #[cfg(feature = "cuda")]
     pub fn take_storage(&self, op: &str, name: &str) -> Result<Storage> {
         match self.0.lock().map(|mut slot| slot.take()) {
             Ok(Some(s)) => Ok(s),
@@ -35,10 +34,8 @@ impl Slot {
     }
 
     /// The stored storage as a tensor of `shape`, or an error when the op stored none.
-    pub fn take(self, op: &str, name: &str, shape: impl Into<Shape>) -> Result<Tensor> {
-        match self.0.into_inner() {
-            Ok(Some(s)) => Ok(Tensor::from_storage(s, shape, BackpropOp::none(), false)),
-            _ => bail!("{op}: the op produced no {name}"),
-        }
+    pub fn take(&self, op: &str, name: &str, shape: impl Into<Shape>) -> Result<Tensor> {
+        let s = self.take_storage(op, name)?;
+        Ok(Tensor::from_storage(s, shape, BackpropOp::none(), false))
     }
 }

@@ -12,7 +12,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 
 use super::cpu;
 use crate::check::{self, ConvDims};
-use crate::cpu::{gradient, host, to_storage, view, wide, CpuArg, Held, Real};
+use crate::cpu::{host, to_storage, values_like, view, wide, CpuArg, Held, Real};
 
 const OP: &str = "causal_conv1d";
 
@@ -25,8 +25,20 @@ struct RecordedConv {
     dims: ConvDims,
 }
 
-/// The gradients of x, the weight and the bias, each `None` when its tensor tracks no gradient.
+/// The gradients of x, the weight and the bias, each `None` when not asked for.
 type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// Which of the `(x, weight, bias)` gradients a backward computes.
+type Want = (bool, bool, bool);
+
+/// The gradients that candle's autograd wants: those of the arguments that track one.
+fn tracking(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Want {
+    (
+        x.track_op(),
+        w.track_op(),
+        bias.is_some_and(Tensor::track_op),
+    )
+}
 
 impl RecordedConv {
     fn out_shape(&self) -> Shape {
@@ -81,15 +93,22 @@ impl RecordedConv {
         }
     }
 
-    fn grads(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, dy: &Tensor) -> Result<Grads> {
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        dy: &Tensor,
+        want: Want,
+    ) -> Result<Grads> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return self.cuda_grads(x, w, bias, dy);
+            return self.cuda_grads(x, w, bias, dy, want);
         }
         if wide(x.dtype()) {
-            self.grads_in::<f64>(x, w, bias, dy)
+            self.grads_in::<f64>(x, w, bias, dy, want)
         } else {
-            self.grads_in::<f32>(x, w, bias, dy)
+            self.grads_in::<f32>(x, w, bias, dy, want)
         }
     }
 
@@ -99,6 +118,7 @@ impl RecordedConv {
         w: &Tensor,
         bias: Option<&Tensor>,
         dy: &Tensor,
+        want: Want,
     ) -> Result<Grads> {
         let dyv = host::<T>(OP, "output gradient", dy)?;
         let xv = host::<T>(OP, "x", x)?;
@@ -109,11 +129,13 @@ impl RecordedConv {
             None => vec![T::zero(); self.dims.dim],
         };
         let g = cpu::backward(&xv, &wv, &state, &bv, &dyv, self.silu, self.dims);
-        let dbias = match bias {
-            Some(b) => gradient(g.dbias, b)?,
+        let dbias = match bias.filter(|_| want.2) {
+            Some(b) => Some(values_like(g.dbias, b)?),
             None => None,
         };
-        Ok((gradient(g.dx, x)?, gradient(g.dw, w)?, dbias))
+        let dx = want.0.then(|| values_like(g.dx, x)).transpose()?;
+        let dw = want.1.then(|| values_like(g.dw, w)).transpose()?;
+        Ok((dx, dw, dbias))
     }
 }
 
@@ -125,6 +147,7 @@ impl RecordedConv {
         w: &Tensor,
         bias: Option<&Tensor>,
         dy: &Tensor,
+        want: Want,
     ) -> Result<Grads> {
         use crate::cuda::{tensor, Held};
         let dy = dy.contiguous()?;
@@ -141,14 +164,14 @@ impl RecordedConv {
         )?;
         let ConvDims { dim, width, .. } = self.dims;
         let sums = tensor(g.parts, (g.programs, (width + 1) * dim)).sum(0)?;
-        let dx = x.track_op().then(|| tensor(g.dx, x.shape()));
-        let dw = if w.track_op() {
+        let dx = want.0.then(|| tensor(g.dx, x.shape()));
+        let dw = if want.1 {
             let taps = sums.narrow(0, 0, width * dim)?.reshape((width, dim))?;
             Some(taps.t()?.to_dtype(w.dtype())?.contiguous()?)
         } else {
             None
         };
-        let dbias = match bias.filter(|b| b.track_op()) {
+        let dbias = match bias.filter(|_| want.2) {
             Some(b) => Some(sums.narrow(0, width * dim, dim)?.to_dtype(b.dtype())?),
             None => None,
         };
@@ -194,7 +217,7 @@ impl CustomOp3 for RecordedConv {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<Grads> {
-        self.grads(x, w, Some(bias), dy)
+        self.grads(x, w, Some(bias), dy, tracking(x, w, Some(bias)))
     }
 }
 
@@ -231,7 +254,7 @@ impl CustomOp2 for RecordedConv {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.grads(x, w, None, dy)?;
+        let (dx, dw, _) = self.grads(x, w, None, dy, tracking(x, w, None))?;
         Ok((dx, dw))
     }
 }
@@ -283,4 +306,27 @@ fn last_inputs(x: &Tensor, state: &Tensor, dims: ConvDims) -> Result<Tensor> {
         tail
     };
     new_state.contiguous()
+}
+
+/// [`super::causal_conv1d_backward`] on checked arguments: all three gradients.
+pub(super) fn backward(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    state: &Tensor,
+    (silu, dims): (bool, ConvDims),
+    dy: &Tensor,
+) -> Result<Grads> {
+    let conv = RecordedConv {
+        state: state.detach(),
+        silu,
+        dims,
+    };
+    let (x, w) = (
+        check::rows_view(&x.detach())?,
+        weight.detach().contiguous()?,
+    );
+    let bias = bias.map(|b| b.detach().contiguous()).transpose()?;
+    let dy = dy.detach().contiguous()?;
+    conv.grads(&x, &w, bias.as_ref(), &dy, (true, true, bias.is_some()))
 }

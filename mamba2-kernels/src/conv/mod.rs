@@ -367,6 +367,58 @@ pub fn causal_conv1d_split(
     Ok((ys, new_state))
 }
 
+/// The gradients of [`causal_conv1d`]'s differentiable arguments.
+#[derive(Debug)]
+pub struct ConvGrads {
+    /// `[B,L,D]`, x's dtype.
+    pub x: Tensor,
+    /// `[D,K]`, the weight's dtype.
+    pub weight: Tensor,
+    /// `[D]`, when the conv has a bias.
+    pub bias: Option<Tensor>,
+}
+
+/// The backward of [`causal_conv1d`] without autograd: the gradients of x, the weight and the
+/// bias for `dy [B,L,D]`, the gradient of y, for callers that run their own backward pass (a fused
+/// layer's). The initial state gets none, as in [`causal_conv1d`]. On CUDA the kernel candle's
+/// autograd runs for [`causal_conv1d`]; on the CPU its CPU backward.
+pub fn causal_conv1d_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    initial_state: Option<&Tensor>,
+    opts: &ConvOptions,
+    dy: &Tensor,
+) -> Result<ConvGrads> {
+    let op = "causal_conv1d_backward";
+    let [batch, seqlen, dim] = check::rank::<3>(op, "x", x, "[B, L, D]")?;
+    let width = check_params(op, x, weight, opts, dim)?;
+    if batch == 0 || seqlen == 0 || dim == 0 {
+        bail!("{op}: x has an empty dimension, shape {:?}", x.dims())
+    }
+    check::device(op, "dy", dy, x)?;
+    check::shape(op, "dy", dy, x.dims(), "like x")?;
+    check::same_dtype(op, "dy", dy, x)?;
+    let state = match initial_state {
+        Some(s) => {
+            check::device(op, "initial_state", s, x)?;
+            check::shape(op, "initial_state", s, &[batch, dim, width], "[B, D, K]")?;
+            check::same_dtype(op, "initial_state", s, x)?;
+            s.contiguous()?
+        }
+        None => Tensor::zeros((batch, dim, width), x.dtype(), x.device())?,
+    };
+    let dims = ConvDims {
+        batch,
+        seqlen,
+        dim,
+        width,
+    };
+    match grad::backward(x, weight, opts.bias, &state, (opts.silu, dims), dy)? {
+        (Some(x), Some(weight), bias) => Ok(ConvGrads { x, weight, bias }),
+        _ => bail!("{op}: the backward returned no gradient"),
+    }
+}
+
 /// Advances `state [B,D,K]` by one token `x [B,D]` in place and returns the conv output `y [B,D]`.
 ///
 /// The state must be contiguous and, like `weight [D,K]` and the bias, in x's dtype.

@@ -28,18 +28,21 @@
 //!
 //! Autograd: both norms are differentiable in every tensor argument. When none tracks gradients
 //! (inference) nothing is recorded and the ops cost nothing extra. Otherwise [`gated_rms_norm`]
-//! is the same op recorded with its backward (dx, dz, dweight), and [`add_rms_norm`] is composed:
-//! the sum `s = x + residual` is taken by candle ops in the compute type (f32; f64 for f64 x),
-//! `y` is a recorded RMSNorm op on `(s, weight)` converted to x's dtype, and the new residual is
-//! `s` converted to its dtype. These are the fused op's values: it too normalises the unrounded
-//! sum. The backwards run on the device of their inputs: on the CPU, or on CUDA, where the
-//! kernels' per-program partial sums of dweight are added up in f32 by candle before they take the
-//! weight's dtype.
+//! is the same op recorded with its backward (dx, dz, dweight), and [`add_rms_norm`] is two
+//! recorded ops on one fused forward: `y` on `(x, residual, weight)`, whose backward is the
+//! RMSNorm's on the unrounded sum (its gradient goes to x and to the residual alike), and the new
+//! residual on `(x, residual)`, which passes its gradient to both. Two nodes per norm, so that
+//! candle's backward adds few activation-sized gradients. The backwards run on the device of their
+//! inputs: on the CPU, or on CUDA, where the kernels' per-program partial sums of dweight are added
+//! up in f32 by candle before they take the weight's dtype. [`gated_rms_norm_backward`] is the
+//! gated norm's backward without autograd, for a fused layer's own backward pass.
 
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod plan;
+
+use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -47,11 +50,15 @@ use candle_core::{
 };
 
 use crate::check;
-use crate::cpu::{gradient, host, to_storage, view, wide, CpuArg, Held, Real};
+use crate::cpu::{gradient, host, to_storage, values_like, view, wide, CpuArg, Held, Real};
 use crate::slot::Slot;
 
 /// The gradients of a norm's arguments, each `None` when its tensor tracks no gradient.
 type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// Which of a norm's `(x, z, weight)` gradients a backward computes.
+#[cfg(feature = "cuda")]
+type Want = (bool, bool, bool);
 
 /// Whether any of `ts` tracks gradients: only then is an op recorded, so inference pays nothing.
 fn tracked(ts: &[Option<&Tensor>]) -> bool {
@@ -105,7 +112,8 @@ impl CustomOp3 for GatedRmsNorm {
     fn bwd(&self, x: &Tensor, z: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Grads3> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return cuda_grads(x, Some(z), w, dy, self.group_size, self.eps);
+            let want = (x.track_op(), z.track_op(), w.track_op());
+            return cuda_grads(x, Some(z), w, dy, (self.group_size, self.eps), want);
         }
         if wide(x.dtype()) {
             self.grads::<f64>(x, z, w, dy)
@@ -140,15 +148,15 @@ impl GatedRmsNorm {
 }
 
 /// The CUDA backward of the gated norm (with `z`) or of the RMSNorm of whole rows (without):
-/// the gradients of x, z and the weight, each `None` when its tensor tracks no gradient.
+/// the gradients of x, z and the weight that `want` asks for.
 #[cfg(feature = "cuda")]
 fn cuda_grads(
     x: &Tensor,
     z: Option<&Tensor>,
     w: &Tensor,
     dy: &Tensor,
-    group: usize,
-    eps: f32,
+    (group, eps): (usize, f32),
+    want: Want,
 ) -> Result<Grads3> {
     use crate::cuda::{tensor, Held};
     let op = if z.is_some() {
@@ -168,102 +176,18 @@ fn cuda_grads(
         eps,
     )?;
     let dim = w.elem_count();
-    let dx = x.track_op().then(|| tensor(g.dx, x.shape()));
+    let dx = want.0.then(|| tensor(g.dx, x.shape()));
     let dz = match (z, g.dz) {
-        (Some(z), Some(dz)) if z.track_op() => Some(tensor(dz, z.shape())),
+        (Some(z), Some(dz)) if want.1 => Some(tensor(dz, z.shape())),
         _ => None,
     };
-    let dw = if w.track_op() {
+    let dw = if want.2 {
         let sums = tensor(g.parts, (g.programs, dim)).sum(0)?;
         Some(sums.to_dtype(w.dtype())?.reshape(w.shape())?)
     } else {
         None
     };
     Ok((dx, dz, dw))
-}
-
-/// The RMSNorm of whole rows on `(v, weight)` of one dtype: the gated norm without the gate, and
-/// the recorded half of the differentiable [`add_rms_norm`].
-#[derive(Clone, Copy, Debug)]
-struct RmsNorm {
-    eps: f32,
-}
-
-impl CustomOp2 for RmsNorm {
-    fn name(&self) -> &'static str {
-        "add_rms_norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        v_s: &CpuStorage,
-        v_l: &Layout,
-        w_s: &CpuStorage,
-        w_l: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        if wide(v_s.dtype()) {
-            self.cpu::<f64>((v_s, v_l), (w_s, w_l))
-        } else {
-            self.cpu::<f32>((v_s, v_l), (w_s, w_l))
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        v_s: &candle_core::CudaStorage,
-        v_l: &Layout,
-        w_s: &candle_core::CudaStorage,
-        w_l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        // The fused kernel without a residual is this norm; its residual output (v) is dropped.
-        let no_residual = (None, v_s.dtype());
-        let (y, _) = cuda::add_rms_norm((v_s, v_l), (w_s, w_l), no_residual, self.eps)?;
-        Ok((y, v_l.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        v: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        #[cfg(feature = "cuda")]
-        if v.device().is_cuda() {
-            let dim = w.elem_count();
-            let (dv, _, dw) = cuda_grads(v, None, w, dy, dim, self.eps)?;
-            return Ok((dv, dw));
-        }
-        if wide(v.dtype()) {
-            self.grads::<f64>(v, w, dy)
-        } else {
-            self.grads::<f32>(v, w, dy)
-        }
-    }
-}
-
-impl RmsNorm {
-    fn cpu<T: Real>(&self, (v_s, v_l): CpuArg, (w_s, w_l): CpuArg) -> Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let v = view::<T>(op, "x", v_s, v_l)?;
-        let w = view::<T>(op, "weight", w_s, w_l)?;
-        let y = cpu::rms_norm(&v, &w, T::of(self.eps));
-        Ok((to_storage(y, v_s.dtype())?, v_l.shape().clone()))
-    }
-
-    fn grads<T: Real>(
-        &self,
-        v: &Tensor,
-        w: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = self.name();
-        let dyv = host::<T>(op, "output gradient", dy)?;
-        let (vv, wv) = (host::<T>(op, "x", v)?, host::<T>(op, "weight", w)?);
-        let (dv, dw) = cpu::rms_norm_backward(&vv, &wv, &dyv, wv.len(), T::of(self.eps));
-        Ok((gradient(dv, v)?, gradient(dw, w)?))
-    }
 }
 
 /// `rmsnorm_per_group(x · silu(z)) · weight` over the last dimension of `x` (see the module doc).
@@ -427,31 +351,309 @@ pub fn add_rms_norm(
             )
         }
     }
-    if tracked(&[Some(x), residual, Some(weight)]) {
-        // The composed, differentiable path (see the module doc).
+    let residual = residual.map(|r| r.contiguous()).transpose()?;
+    let norm = Arc::new(AddRmsNorm {
+        residual: residual.as_ref().map(Tensor::detach),
+        residual_dtype,
+        eps: eps as f32,
+        residual_out: Slot::default(),
+    });
+    let (x, weight) = (x.contiguous()?, weight.contiguous()?);
+    if tracked(&[Some(&x), residual.as_ref(), Some(&weight)]) {
+        return recorded_add_rms_norm(&x, residual.as_ref(), &weight, norm);
+    }
+    let y = x.apply_op2_no_bwd(&weight, &*norm)?;
+    let residual = norm.residual_out.take(op, "residual", x.shape().clone())?;
+    Ok((y, residual))
+}
+
+/// The backward of [`gated_rms_norm`] without autograd: `(dx, dz, dweight)` for the output
+/// gradient `dy`, each in its input's dtype, for callers that run their own backward pass (a
+/// fused layer's). On CUDA the kernel candle's autograd runs for [`gated_rms_norm`], whose
+/// per-program partial sums of dweight are added up in f32; on the CPU its CPU backward.
+pub fn gated_rms_norm_backward(
+    x: &Tensor,
+    z: &Tensor,
+    weight: &Tensor,
+    group_size: usize,
+    eps: f64,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let op = "gated_rms_norm_backward";
+    check::float(op, "x", x)?;
+    let dim = check::last_dim(op, "x", x)?;
+    for (name, t) in [("z", z), ("dy", dy)] {
+        check::device(op, name, t, x)?;
+        check::shape(op, name, t, x.dims(), "like x")?;
+        check::same_dtype(op, name, t, x)?;
+    }
+    check::device(op, "weight", weight, x)?;
+    check::shape(op, "weight", weight, &[dim], "[D]")?;
+    check::same_dtype(op, "weight", weight, x)?;
+    if group_size == 0 || dim % group_size != 0 {
+        bail!("{op}: group_size ({group_size}) must divide the channel count D ({dim})")
+    }
+    check::eps(op, eps)?;
+    let (x, z, w, dy) = (x.detach(), z.detach(), weight.detach(), dy.detach());
+    let (x, z, w) = (x.contiguous()?, z.contiguous()?, w.contiguous()?);
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let all = (true, true, true);
+        if let (Some(dx), Some(dz), Some(dw)) =
+            cuda_grads(&x, Some(&z), &w, &dy, (group_size, eps as f32), all)?
+        {
+            return Ok((dx, dz, dw));
+        }
+        bail!("{op}: the backward kernel returned no gradient")
+    }
+    fn on_host<T: Real>(
+        op: &str,
+        (x, z, w, dy): (&Tensor, &Tensor, &Tensor, &Tensor),
+        group: usize,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (xv, zv) = (host::<T>(op, "x", x)?, host::<T>(op, "z", z)?);
+        let (wv, dyv) = (host::<T>(op, "weight", w)?, host::<T>(op, "dy", dy)?);
+        let (dx, dz, dw) =
+            cpu::gated_rms_norm_backward(&xv, &zv, &wv, &dyv, group, T::of(eps as f32));
+        Ok((
+            values_like(dx, x)?,
+            values_like(dz, z)?,
+            values_like(dw, w)?,
+        ))
+    }
+    let args = (&x, &z, &w, &dy);
+    if wide(x.dtype()) {
+        on_host::<f64>(op, args, group_size, eps)
+    } else {
+        on_host::<f32>(op, args, group_size, eps)
+    }
+}
+
+/// The differentiable [`add_rms_norm`]: two recorded ops on one fused forward, y on
+/// `(x[, residual], weight)` and the new residual on `(x, residual)` (see the module doc).
+fn recorded_add_rms_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: &Tensor,
+    norm: Arc<AddRmsNorm>,
+) -> Result<(Tensor, Tensor)> {
+    let op = RecordedAddNorm {
+        norm: norm.clone(),
+        sum: Arc::new(OnceLock::new()),
+    };
+    let sum = op.sum.clone();
+    let (y, new_residual) = match residual {
+        Some(r) => {
+            let y = x.apply_op3(r, weight, op)?;
+            (y, x.apply_op2(r, NewResidual(norm))?)
+        }
+        None => (x.apply_op2(weight, op)?, x.to_dtype(norm.residual_dtype)?),
+    };
+    // The backward reads the unrounded sum: kept when the residual holds it, else recomputed.
+    let _ = sum.set(new_residual.detach());
+    Ok((y, new_residual))
+}
+
+/// y of the recorded add norm: the fused forward (leaving the new residual for
+/// [`NewResidual`]); its backward is the RMSNorm's on the sum `x + residual`.
+#[derive(Debug)]
+struct RecordedAddNorm {
+    norm: Arc<AddRmsNorm>,
+    /// The new residual, once it exists.
+    sum: Arc<OnceLock<Tensor>>,
+}
+
+impl RecordedAddNorm {
+    /// `(dx, dresidual, dweight)` for dy, from the sum of x and the residual.
+    fn grads(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        w: &Tensor,
+        dy: &Tensor,
+    ) -> Result<Grads3> {
         let compute = if wide(x.dtype()) {
             DType::F64
         } else {
             DType::F32
         };
-        let mut sum = x.to_dtype(compute)?;
-        if let Some(r) = residual {
-            sum = sum.add(&r.to_dtype(compute)?)?;
-        }
-        let norm = RmsNorm { eps: eps as f32 };
-        let weight = weight.to_dtype(compute)?.contiguous()?;
-        let y = sum.contiguous()?.apply_op2(&weight, norm)?;
-        return Ok((y.to_dtype(x.dtype())?, sum.to_dtype(residual_dtype)?));
+        let sum = match (self.sum.get(), residual) {
+            (Some(s), Some(_)) if s.dtype() == compute => s.clone(),
+            (_, Some(r)) => (x.to_dtype(compute)? + r.to_dtype(compute)?)?,
+            (_, None) => x.to_dtype(compute)?,
+        };
+        let (wc, dyc) = (w.to_dtype(compute)?, dy.to_dtype(compute)?.contiguous()?);
+        let eps = self.norm.eps;
+        #[cfg(feature = "cuda")]
+        let on_cuda = x.device().is_cuda();
+        #[cfg(not(feature = "cuda"))]
+        let on_cuda = false;
+        let (dsum, dw) = if on_cuda {
+            #[cfg(feature = "cuda")]
+            {
+                let dim = w.elem_count();
+                match cuda_grads(&sum, None, &wc, &dyc, (dim, eps), (true, false, true))? {
+                    (Some(ds), _, Some(dw)) => (ds, dw),
+                    _ => bail!("add_rms_norm: the backward kernel returned no gradient"),
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
+            unreachable!()
+        } else {
+            fn on_host<T: Real>(
+                (s, w, dy): (&Tensor, &Tensor, &Tensor),
+                eps: f32,
+            ) -> Result<(Tensor, Tensor)> {
+                let op = "add_rms_norm";
+                let (sv, wv) = (host::<T>(op, "x", s)?, host::<T>(op, "weight", w)?);
+                let dyv = host::<T>(op, "output gradient", dy)?;
+                let (ds, dw) = cpu::rms_norm_backward(&sv, &wv, &dyv, wv.len(), T::of(eps));
+                Ok((values_like(ds, s)?, values_like(dw, w)?))
+            }
+            let args = (&sum, &wc, &dyc);
+            if wide(x.dtype()) {
+                on_host::<f64>(args, eps)?
+            } else {
+                on_host::<f32>(args, eps)?
+            }
+        };
+        let dx = x.track_op().then(|| dsum.to_dtype(x.dtype())).transpose()?;
+        let dres = residual
+            .filter(|r| r.track_op())
+            .map(|r| dsum.to_dtype(r.dtype()))
+            .transpose()?;
+        let dw = w.track_op().then(|| dw.to_dtype(w.dtype())).transpose()?;
+        Ok((dx, dres, dw))
     }
-    let norm = AddRmsNorm {
-        residual: residual.map(|r| r.contiguous()).transpose()?,
-        residual_dtype,
-        eps: eps as f32,
-        residual_out: Slot::default(),
-    };
-    let y = x
-        .contiguous()?
-        .apply_op2_no_bwd(&weight.contiguous()?, &norm)?;
-    let residual = norm.residual_out.take(op, "residual", x.shape().clone())?;
-    Ok((y, residual))
+}
+
+impl CustomOp2 for RecordedAddNorm {
+    fn name(&self) -> &'static str {
+        "add_rms_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.norm.cpu_fwd(x_s, x_l, w_s, w_l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        w_s: &candle_core::CudaStorage,
+        w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.norm.cuda_fwd(x_s, x_l, w_s, w_l)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, _, dw) = self.grads(x, None, w, dy)?;
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for RecordedAddNorm {
+    fn name(&self) -> &'static str {
+        "add_rms_norm"
+    }
+
+    /// The residual is read from the held norm, as in inference; the argument routes its gradient.
+    fn cpu_fwd(
+        &self,
+        x_s: &CpuStorage,
+        x_l: &Layout,
+        _r_s: &CpuStorage,
+        _r_l: &Layout,
+        w_s: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.norm.cpu_fwd(x_s, x_l, w_s, w_l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        _r_s: &candle_core::CudaStorage,
+        _r_l: &Layout,
+        w_s: &candle_core::CudaStorage,
+        w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.norm.cuda_fwd(x_s, x_l, w_s, w_l)
+    }
+
+    fn bwd(&self, x: &Tensor, r: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Grads3> {
+        self.grads(x, Some(r), w, dy)
+    }
+}
+
+/// The new residual of the recorded add norm on `(x, residual)`: the storage its y op's forward
+/// left; the gradient passes to both arguments unchanged.
+#[derive(Debug)]
+struct NewResidual(Arc<AddRmsNorm>);
+
+impl NewResidual {
+    fn storage(&self) -> Result<Storage> {
+        self.0.residual_out.take_storage("add_rms_norm", "residual")
+    }
+}
+
+impl CustomOp2 for NewResidual {
+    fn name(&self) -> &'static str {
+        "add_rms_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _x_s: &CpuStorage,
+        x_l: &Layout,
+        _r_s: &CpuStorage,
+        _r_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match self.storage()? {
+            Storage::Cpu(s) => Ok((s, x_l.shape().clone())),
+            _ => bail!("add_rms_norm: the residual is not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _x_s: &candle_core::CudaStorage,
+        x_l: &Layout,
+        _r_s: &candle_core::CudaStorage,
+        _r_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match self.storage()? {
+            Storage::Cuda(s) => Ok((s, x_l.shape().clone())),
+            _ => bail!("add_rms_norm: the residual is not on CUDA"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        _sum: &Tensor,
+        dsum: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = x.track_op().then(|| dsum.to_dtype(x.dtype())).transpose()?;
+        let dr = r.track_op().then(|| dsum.to_dtype(r.dtype())).transpose()?;
+        Ok((dx, dr))
+    }
 }
