@@ -19,6 +19,8 @@
 //! kernels on their tensor-core paths and bounds their shared memory. On the CPU the chunk is at
 //! most 64 tokens.
 
+mod grad;
+
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{
@@ -368,6 +370,12 @@ impl Mixer {
     /// Runs whole sequences `u [B,L,d_model]` from zero states, as training does: every op on the
     /// way records its gradient when the weights or `u` take part in one.
     pub fn forward_train(&self, u: &Tensor) -> Result<Tensor> {
+        // On CUDA the mixer is one recorded op (`grad.rs`): candle's backward would otherwise
+        // add a dozen activation-sized gradients per layer into zeroed buffers, which costs more
+        // than the kernels. On the CPU the composed ops keep the scan's states for the backward.
+        if u.device().is_cuda() && (u.track_op() || self.in_proj.weight().track_op()) {
+            return self.forward_train_fused(u);
+        }
         Ok(self.run(u, None, None)?.0)
     }
 

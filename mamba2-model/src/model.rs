@@ -20,7 +20,7 @@
 
 use std::path::Path;
 
-use candle_core::{bail, DType, Device, IndexOp, Result, Tensor, D};
+use candle_core::{bail, DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 use mamba2_kernels::{add_rms_norm, cross_entropy, embedding};
 
@@ -512,11 +512,13 @@ impl Model {
         };
         // The loss reads the logits in the model's dtype and computes in f32: an f32 copy of the
         // largest tensor of the step would cost a pass each way.
+        // The product on the hidden rows gives the logits' rows directly: a reshape of the
+        // logits would be one more node whose gradient, as large as they are, candle adds up.
         let h = self.hidden_train(&ids.narrow(1, 0, l - 1)?)?;
-        let logits = rows_linear(&self.lm_head, &h)?;
-        let v = logits.dim(2)?;
+        let rows = h.reshape((b * (l - 1), self.config.d_model))?;
+        let logits = self.lm_head.forward(&rows)?;
         let targets = ids.narrow(1, 1, l - 1)?.to_dtype(DType::U32)?;
-        cross_entropy(&logits.reshape((b * (l - 1), v))?, &targets.flatten_all()?)
+        cross_entropy(&logits, &targets.flatten_all()?)
     }
 
     /// The mean next-token cross-entropy of documents of any lengths packed into one row (no
@@ -559,7 +561,7 @@ impl Model {
             h = block.mixer.forward_train_packed(&normed, &cu)?;
         }
         let (h, _) = self.norm(&h, residual.as_ref(), &self.norm_f)?;
-        let logits = rows_linear(&self.lm_head, &h.squeeze(0)?)?;
+        let logits = self.lm_head.forward(&h.squeeze(0)?)?;
         cross_entropy(&logits, &Tensor::new(targets.as_slice(), &self.device)?)
     }
 
