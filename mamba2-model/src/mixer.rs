@@ -163,10 +163,16 @@ impl Mixer {
     /// its own product with rows of the weight: cut from one output, every piece's gradient would
     /// be scattered into a zeroed `[B,L,in_proj_dim]` buffer.
     fn project(&self, u: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let w = self.in_proj.weight();
-        if !w.track_op() {
+        if !self.in_proj.weight().track_op() {
             return self.split(&rows_linear(&self.in_proj, u)?);
         }
+        self.project_pieces(u)
+    }
+
+    /// `(z, xBC, dt)` of `u [B,L,d_model]`, each its own contiguous product with its rows of
+    /// in_proj's weight.
+    fn project_pieces(&self, u: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let w = self.in_proj.weight();
         let (di, h, _, gn) = self.sizes();
         let piece = |start: usize, len: usize| {
             let bias = self
@@ -276,7 +282,9 @@ impl Mixer {
         let (di, h, p, gn) = self.sizes();
         let conv_dim = di + 2 * gn;
         let k = self.conv_weight.dim(1)?;
-        let (z, xbc, dt) = self.project(u)?;
+        // Contiguous pieces: the gathers below need contiguous sources, and candle copies a
+        // strided slice of in_proj's output element by element.
+        let (z, xbc, dt) = self.project_pieces(u)?;
         let dev = u.device();
         // Row T of the packed inputs is every pad's: zero inputs, dt PAD_DT.
         let xbc = Tensor::cat(
@@ -301,8 +309,9 @@ impl Mixer {
             let (parts, _) =
                 causal_conv1d_split(&xbc, &self.conv_weight, Some(&conv0), &conv_opts, &split)?;
             // Each sequence's conv state: its last k inputs, after its initial state (the row's
-            // own state would end in pads).
-            let window = Tensor::cat(&[&conv0.transpose(1, 2)?, &xbc], 1)?
+            // own state would end in pads). Both pieces contiguous, so that candle's cat is one
+            // block copy rather than strided copies of the whole group.
+            let window = Tensor::cat(&[&conv0.transpose(1, 2)?.contiguous()?, &xbc], 1)?
                 .reshape((rows * (k + len), conv_dim))?;
             convs.push(
                 window
