@@ -4,9 +4,9 @@
 //! captured CUDA graph ([`DecodeGraph`]) and launched kernel by kernel.
 //!
 //! Ragged prompts (`--ragged N:LO-HI`: N prompts of seeded lengths uniform in LO..=HI) are
-//! prefilled three ways, last logits only: packed into one row (`Model::prefill_packed`), padded
-//! to the longest as one rectangular batch (timing only: the pad tokens would change the
-//! states), and one call per prompt.
+//! prefilled three ways, last logits only: in groups of similar lengths
+//! (`Model::prefill_packed`), padded to the longest as one rectangular batch (timing only: the pad
+//! tokens would change the states), and one call per prompt.
 //!
 //! `cargo run --release --features cuda --example bench_model -- [--models 130m,780m,2.7b]`
 

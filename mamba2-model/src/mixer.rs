@@ -30,7 +30,7 @@ use mamba2_kernels::{
 };
 
 use crate::cache::LayerState;
-use crate::packing::{Packing, PAD_DT};
+use crate::packing::{group_cost, Group, Packing, PAD_DT};
 use crate::Config;
 
 /// On the CPU the scan runs in chunks of at most this many tokens: the work inside a chunk grows
@@ -219,24 +219,29 @@ impl Mixer {
         cu_seqlens: &[usize],
         state: &mut LayerState,
     ) -> Result<Tensor> {
-        let packing = self.packing(cu_seqlens, u.device())?;
+        let packing = self.packing(cu_seqlens, group_cost(u.device()), u.device())?;
         self.forward_packing(u, cu_seqlens, packing.as_ref(), state)
     }
 
-    /// The groups that [`Mixer::forward_packing`] runs `cu_seqlens` in, or `None` where a pad's
-    /// dt would not be 0 (a dt_limit above 0 clamps it up): then each sequence runs alone. The
-    /// offsets are checked first.
-    pub(crate) fn packing(&self, cu_seqlens: &[usize], device: &Device) -> Result<Option<Packing>> {
+    /// The groups of `cu_seqlens` at `cost` padded tokens per group (`crate::packing`), or `None`
+    /// where a pad's dt would not be 0 (a dt_limit above 0 clamps it up): then each sequence runs
+    /// alone. The offsets are checked first.
+    pub(crate) fn packing(
+        &self,
+        cu_seqlens: &[usize],
+        cost: usize,
+        device: &Device,
+    ) -> Result<Option<Packing>> {
         let total = cu_seqlens.last().copied().unwrap_or(0);
         check_cu_seqlens("packed mixer", cu_seqlens, total)?;
         if self.dt_limit.0 > 0.0 {
             return Ok(None);
         }
-        Packing::new(cu_seqlens, self.conv_weight.dim(1)?, device).map(Some)
+        Packing::new(cu_seqlens, self.conv_weight.dim(1)?, cost, device).map(Some)
     }
 
     /// [`Mixer::forward_packed`] in the groups of `packing` (from [`Mixer::packing`] for the same
-    /// offsets; shared by every layer of a model).
+    /// offsets), or each sequence alone when `packing` is `None`.
     pub(crate) fn forward_packing(
         &self,
         u: &Tensor,
@@ -340,6 +345,47 @@ impl Mixer {
             back(&convs, &packing.states_back)?,
             back(&ssms, &packing.states_back)?,
         ))
+    }
+
+    /// `(out, conv states, SSM states)` of the rows of `u [rows, len, d_model]`, one group of
+    /// `crate::packing` run through the whole model: each row a sequence from zero states followed
+    /// by pads (their dt made an exact 0 by the group's `pads`), its states those after its last
+    /// token.
+    pub(crate) fn forward_rows(&self, u: &Tensor, g: &Group) -> Result<(Tensor, Tensor, Tensor)> {
+        let (rows, len, _) = u.dims3()?;
+        let (di, h, p, gn) = self.sizes();
+        let (conv_dim, k) = (di + 2 * gn, self.conv_weight.dim(1)?);
+        let zxbcdt = rows_linear(&self.in_proj, u)?;
+        let (z, xbc, dt) = self.split(&zxbcdt)?;
+        let dt = dt.broadcast_add(&g.pads.to_dtype(dt.dtype())?)?;
+        let (parts, _) = causal_conv1d_split(
+            &xbc,
+            &self.conv_weight,
+            None,
+            &self.conv_options(),
+            &[di, gn, gn],
+        )?;
+        // Each sequence's conv state: its last k inputs, zeros before its first token, gathered
+        // as whole rows of in_proj's output (contiguous, as candle's gather needs).
+        let mask = g.conv_mask.to_dtype(u.dtype())?;
+        let conv = zxbcdt
+            .reshape((rows * len, zxbcdt.dim(2)?))?
+            .index_select(&g.conv_taps, 0)?
+            .narrow(1, di, conv_dim)?
+            .broadcast_mul(&mask)?
+            .reshape((rows, k, conv_dim))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let groups = (rows, len, self.ngroups, self.d_state);
+        let (y, ssm) = ssd(
+            &parts[0].reshape((rows, len, h, p))?,
+            &dt,
+            &self.a,
+            &parts[1].reshape(groups)?,
+            &parts[2].reshape(groups)?,
+            &self.ssd_options(u, None),
+        )?;
+        Ok((self.output(&y, &z)?, conv, ssm))
     }
 
     /// [`Mixer::forward_packed`] from zero states, as training on packed documents does: every

@@ -27,6 +27,7 @@ use mamba2_kernels::{add_rms_norm, cross_entropy, embedding};
 use crate::cache::Cache;
 use crate::checkpoint::{Checkpoint, ModelDir};
 use crate::mixer::{decode_linear, rows_linear, Mixer};
+use crate::packing::{model_group_cost, Packing};
 use crate::Config;
 
 /// Prompt tokens per piece unless set otherwise.
@@ -264,9 +265,10 @@ impl Model {
         }
     }
 
-    /// Prefills the prompts packed into one row (their tokens back to back; the conv and the scan
-    /// in groups of similar lengths, see [`Mixer::forward_packed`](crate::Mixer::forward_packed))
-    /// from empty states: returns the logits `[S,V]` (f32) after each prompt's last token and a cache
+    /// Prefills the prompts in groups of similar lengths, each group one batch through the whole
+    /// model whose shorter rows are padded at their ends with steps that change nothing (a dt of
+    /// exactly 0; a model with a dt_limit above 0, where that cannot be, runs the prompts packed
+    /// back to back in one row, each prompt's conv and scan alone) from empty states: returns the logits `[S,V]` (f32) after each prompt's last token and a cache
     /// of S rows, each prompt's state, as if each were prefilled alone. Every id is checked
     /// against the vocabulary first. The whole pack runs at once (no bounded pieces): split a
     /// very large set of prompts into several calls and [`Cache::join`] their caches.
@@ -306,31 +308,91 @@ impl Model {
             )?;
             cu.push(cu[i] + p.len());
         }
-        let flat: Vec<u32> = prompts.iter().flat_map(|p| p.iter().copied()).collect();
-        let ids = Tensor::new(flat.as_slice(), &self.device)?.unsqueeze(0)?;
+        let mut flat: Vec<u32> = prompts.iter().flat_map(|p| p.iter().copied()).collect();
         let mut cache = self.new_cache(prompts.len())?;
-        let mut h = self.embed(&ids)?;
-        let mut residual = None;
-        // One grouping for every layer (their mixers differ only in weights).
         let packing = match self.blocks.first() {
-            Some(block) => block.mixer.packing(&cu, &self.device)?,
+            Some(block) => {
+                let cost = model_group_cost(&self.device);
+                block.mixer.packing(&cu, cost, &self.device)?
+            }
             None => None,
         };
+        let h = match packing {
+            Some(packing) => {
+                // Every pad reads token 0 (one past the packed tokens): its values are never used.
+                flat.push(0);
+                let ids = Tensor::new(flat.as_slice(), &self.device)?;
+                self.prefill_groups(&ids, &packing, &mut cache)?
+            }
+            None => {
+                let ids = Tensor::new(flat.as_slice(), &self.device)?.unsqueeze(0)?;
+                self.prefill_row(&ids, &cu, &mut cache)?
+            }
+        };
+        let lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        cache.advance_rows(&lengths);
+        Ok((self.logits(&h)?, cache))
+    }
+
+    /// The final norm's output at each sequence's last token, `[S, d_model]`, of the groups of
+    /// `packing` run through the whole model one after the other, each a `[rows, longest]` batch
+    /// of its sequences padded at their ends (`crate::packing`); every layer's states after each
+    /// sequence's last token go to its row of `cache`. `ids` holds the packed tokens and, last,
+    /// the pads' token.
+    fn prefill_groups(&self, ids: &Tensor, packing: &Packing, cache: &mut Cache) -> Result<Tensor> {
+        let layers = self.blocks.len();
+        let (mut convs, mut ssms) = (vec![Vec::new(); layers], vec![Vec::new(); layers]);
+        let (mut lasts, mut residuals) = (Vec::new(), Vec::new());
+        for g in &packing.groups {
+            let rows_ids = ids.index_select(&g.gather, 0)?.reshape((g.rows, g.len))?;
+            let mut h = self.embed(&rows_ids)?;
+            let mut residual = None;
+            for (l, block) in self.blocks.iter().enumerate() {
+                let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
+                residual = Some(r);
+                let (out, conv, ssm) = block.mixer.forward_rows(&normed, g)?;
+                convs[l].push(conv);
+                ssms[l].push(ssm);
+                h = out;
+            }
+            let pick = |t: &Tensor| {
+                let d = t.dim(2)?;
+                t.reshape((g.rows * g.len, d))?.index_select(&g.last, 0)
+            };
+            lasts.push(pick(&h)?);
+            residuals.push(residual.as_ref().map(pick).transpose()?);
+        }
+        // Back from the groups' order to the sequences'.
+        let back = |parts: &[Tensor]| Tensor::cat(parts, 0)?.index_select(&packing.states_back, 0);
+        for ((state, conv), ssm) in cache.layers_mut().iter_mut().zip(&convs).zip(&ssms) {
+            state.conv.slice_set(&back(conv)?, 0, 0)?;
+            state.ssm.slice_set(&back(ssm)?, 0, 0)?;
+        }
+        let residual = residuals
+            .into_iter()
+            .collect::<Option<Vec<_>>>()
+            .map(|r| back(&r))
+            .transpose()?;
+        Ok(self
+            .norm(&back(&lasts)?, residual.as_ref(), &self.norm_f)?
+            .0)
+    }
+
+    /// [`Model::prefill_groups`] for a model whose pads cannot be made inert (a dt_limit above 0):
+    /// the packed row `ids [1, T]` through every layer, each sequence's conv and scan alone.
+    fn prefill_row(&self, ids: &Tensor, cu: &[usize], cache: &mut Cache) -> Result<Tensor> {
+        let mut h = self.embed(ids)?;
+        let mut residual = None;
         for (block, state) in self.blocks.iter().zip(cache.layers_mut()) {
             let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
             residual = Some(r);
-            h = block
-                .mixer
-                .forward_packing(&normed, &cu, packing.as_ref(), state)?;
+            h = block.mixer.forward_packing(&normed, cu, None, state)?;
         }
         let last: Vec<u32> = cu[1..].iter().map(|&e| (e - 1) as u32).collect();
         let last = Tensor::new(last.as_slice(), &self.device)?;
         let pick = |t: &Tensor| t.squeeze(0)?.index_select(&last, 0);
         let residual = residual.as_ref().map(pick).transpose()?;
-        let (h, _) = self.norm(&pick(&h)?, residual.as_ref(), &self.norm_f)?;
-        let lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
-        cache.advance_rows(&lengths);
-        Ok((self.logits(&h)?, cache))
+        Ok(self.norm(&pick(&h)?, residual.as_ref(), &self.norm_f)?.0)
     }
 
     /// Feeds one token per sequence, `ids [B]`, and returns the next-token logits `[B,V]` (f32).

@@ -10,6 +10,11 @@
 //!         [ s3 · _ ]
 //! ```
 //!
+//! [`crate::Model::prefill_packed`] runs each group through the whole model (`Model::prefill_groups`,
+//! `Mixer::forward_rows`): the ids are gathered into the group's rows, so that no activation is
+//! gathered or scattered between layers. [`crate::Mixer::forward_packed`], which takes one packed
+//! row of activations, runs only its conv and scan in groups (`Mixer::run_groups`).
+//!
 //! A pad changes nothing of its sequence: it comes after the sequence's tokens (the conv and the
 //! scan are causal), its raw dt is [`PAD_DT`] (under softplus an exact 0, so the state passes it
 //! unchanged: decay exp(0) = 1 and input dt·x = 0), and the sequence's conv state is read from its
@@ -24,11 +29,22 @@ pub(crate) const PAD_DT: f32 = -1e4;
 
 /// What one more group costs, in padded tokens: on CUDA a group's conv and scan launches take
 /// about as long as the 130m model's work on ~1K tokens; on the CPU a call costs next to nothing.
-fn group_cost(device: &Device) -> usize {
+pub(crate) fn group_cost(device: &Device) -> usize {
     if device.is_cpu() {
         16
     } else {
         1024
+    }
+}
+
+/// What one more group costs when each group runs the whole model, in padded tokens: on CUDA a
+/// model pass's launches and per-group copies take about as long as the 130m model's work on ~4K
+/// tokens (the prefill of 64 prompts of 16..1024 tokens was fastest there).
+pub(crate) fn model_group_cost(device: &Device) -> usize {
+    if device.is_cpu() {
+        16
+    } else {
+        4096
     }
 }
 
@@ -47,6 +63,18 @@ pub(crate) struct Group {
     /// the rows `[conv state (d_conv) | inputs (len)]`, i.e. the sequence's last `d_conv` inputs
     /// after its state; u32 `[rows·d_conv]`.
     pub conv_last: Tensor,
+    /// For row r and tap j: the position `r·len + max(len_r − d_conv + j, 0)` of the row's
+    /// `[rows·len]` tokens, the sequence's last `d_conv` inputs from a zero state; u32
+    /// `[rows·d_conv]`.
+    pub conv_taps: Tensor,
+    /// For row r and tap j: 1 where `len_r − d_conv + j ≥ 0` (a token), 0 before the sequence (the
+    /// zero state); f32 `[rows·d_conv, 1]`.
+    pub conv_mask: Tensor,
+    /// What each position adds to its raw dt: 0 for a token, [`PAD_DT`] for a pad; f32
+    /// `[rows, len, 1]`.
+    pub pads: Tensor,
+    /// For row r: the position `r·len + len_r − 1` of its last token; u32 `[rows]`.
+    pub last: Tensor,
 }
 
 /// The groups of one set of packed sequences, and the way back to the packed order.
@@ -94,7 +122,7 @@ fn cut(sorted: &[usize], cost: usize) -> Vec<(usize, usize)> {
 impl Packing {
     /// The groups of the sequences `cu_seqlens` (`[0, l_0, l_0 + l_1, …, T]`, as
     /// `mamba2_kernels::check_cu_seqlens` accepts them) for a conv of `d_conv` taps.
-    pub fn new(cu_seqlens: &[usize], d_conv: usize, device: &Device) -> Result<Self> {
+    pub fn new(cu_seqlens: &[usize], d_conv: usize, cost: usize, device: &Device) -> Result<Self> {
         let seqs = cu_seqlens.len() - 1;
         let total = cu_seqlens[seqs];
         let lens: Vec<usize> = cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
@@ -112,22 +140,31 @@ impl Packing {
         let mut tokens_back = vec![0u32; total];
         let mut states_back = vec![0u32; seqs];
         let (mut out_row, mut state_row) = (0usize, 0usize);
-        for (start, end) in cut(&sorted, group_cost(device)) {
+        for (start, end) in cut(&sorted, cost) {
             let members = &order[start..end];
             let (rows, len) = (members.len(), sorted[start]);
             let mut gather = Vec::with_capacity(rows * len);
+            let mut pads = Vec::with_capacity(rows * len);
+            let mut last = Vec::with_capacity(rows);
             let mut conv_last = Vec::with_capacity(rows * d_conv);
+            let (mut conv_taps, mut conv_mask) = (Vec::new(), Vec::new());
             for (r, &s) in members.iter().enumerate() {
                 for p in 0..len {
                     if p < lens[s] {
                         gather.push(u32_of(cu_seqlens[s] + p)?);
+                        pads.push(0f32);
                         tokens_back[cu_seqlens[s] + p] = u32_of(out_row + r * len + p)?;
                     } else {
                         gather.push(u32_of(total)?);
+                        pads.push(PAD_DT);
                     }
                 }
+                last.push(u32_of(r * len + lens[s] - 1)?);
                 for j in 0..d_conv {
                     conv_last.push(u32_of(r * (d_conv + len) + lens[s] + j)?);
+                    let at = (lens[s] + j).checked_sub(d_conv);
+                    conv_taps.push(u32_of(r * len + at.unwrap_or(0))?);
+                    conv_mask.push(if at.is_some() { 1f32 } else { 0.0 });
                 }
                 states_back[s] = u32_of(state_row + r)?;
             }
@@ -138,6 +175,10 @@ impl Packing {
                 len,
                 gather: Tensor::new(gather.as_slice(), device)?,
                 conv_last: Tensor::new(conv_last.as_slice(), device)?,
+                conv_taps: Tensor::new(conv_taps.as_slice(), device)?,
+                conv_mask: Tensor::from_vec(conv_mask, (rows * d_conv, 1), device)?,
+                pads: Tensor::from_vec(pads, (rows, len, 1), device)?,
+                last: Tensor::new(last.as_slice(), device)?,
             });
             out_row += rows * len;
             state_row += rows;
@@ -166,7 +207,7 @@ mod tests {
     #[test]
     fn every_token_and_state_comes_back_to_its_place() -> Result<()> {
         let cu = [0, 3, 4, 9, 11];
-        let p = Packing::new(&cu, 4, &Device::Cpu)?;
+        let p = Packing::new(&cu, 4, 16, &Device::Cpu)?;
         let rows: usize = p.groups.iter().map(|g| g.rows).sum();
         assert_eq!(rows, 4);
         // Stack the gathers as the mixer stacks its outputs, then map back: every token itself.
