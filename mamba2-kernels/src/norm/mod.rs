@@ -395,7 +395,8 @@ pub fn gated_rms_norm_backward(
     }
     check::eps(op, eps)?;
     let (x, z, w, dy) = (x.detach(), z.detach(), weight.detach(), dy.detach());
-    let (x, z, w) = (x.contiguous()?, z.contiguous()?, w.contiguous()?);
+    // z may stay a slice of a wider tensor on CUDA, as in the forward (read in place).
+    let (x, z, w) = (x.contiguous()?, check::rows_view(&z)?, w.contiguous()?);
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
         let all = (true, true, true);
