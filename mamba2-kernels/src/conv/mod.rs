@@ -265,6 +265,32 @@ fn check_split(op: &str, split: &[usize], dim: usize) -> Result<()> {
     Ok(())
 }
 
+/// The conv's dims and its initial state `[B,D,K]` (checked against x, contiguous; zeros when
+/// `None`).
+fn initial_state_of(
+    op: &str,
+    x: &Tensor,
+    initial_state: Option<&Tensor>,
+    [batch, seqlen, dim, width]: [usize; 4],
+) -> Result<(Tensor, ConvDims)> {
+    let state = match initial_state {
+        Some(s) => {
+            check::device(op, "initial_state", s, x)?;
+            check::shape(op, "initial_state", s, &[batch, dim, width], "[B, D, K]")?;
+            check::same_dtype(op, "initial_state", s, x)?;
+            s.contiguous()?
+        }
+        None => Tensor::zeros((batch, dim, width), x.dtype(), x.device())?,
+    };
+    let dims = ConvDims {
+        batch,
+        seqlen,
+        dim,
+        width,
+    };
+    Ok((state, dims))
+}
+
 /// Runs the causal conv over `x [B,L,D]` from `initial_state [B,D,K]` (zeros if `None`).
 ///
 /// `weight [D,K]`, bias and state in x's dtype. Returns `(y [B,L,D], new_state [B,D,K])`, both in
@@ -330,21 +356,7 @@ pub fn causal_conv1d_split(
         bail!("{op}: x has an empty dimension, shape {:?}", x.dims())
     }
     check_split(op, split, dim)?;
-    let state = match initial_state {
-        Some(s) => {
-            check::device(op, "initial_state", s, x)?;
-            check::shape(op, "initial_state", s, &[batch, dim, width], "[B, D, K]")?;
-            check::same_dtype(op, "initial_state", s, x)?;
-            s.contiguous()?
-        }
-        None => Tensor::zeros((batch, dim, width), x.dtype(), x.device())?,
-    };
-    let dims = ConvDims {
-        batch,
-        seqlen,
-        dim,
-        width,
-    };
+    let (state, dims) = initial_state_of(op, x, initial_state, [batch, seqlen, dim, width])?;
     // Only a graph that tracks gradients records the op: inference runs it unrecorded.
     if x.track_op() || weight.track_op() || opts.bias.is_some_and(Tensor::track_op) {
         let mode = (opts.silu, dims);
@@ -398,21 +410,7 @@ pub fn causal_conv1d_backward(
     check::device(op, "dy", dy, x)?;
     check::shape(op, "dy", dy, x.dims(), "like x")?;
     check::same_dtype(op, "dy", dy, x)?;
-    let state = match initial_state {
-        Some(s) => {
-            check::device(op, "initial_state", s, x)?;
-            check::shape(op, "initial_state", s, &[batch, dim, width], "[B, D, K]")?;
-            check::same_dtype(op, "initial_state", s, x)?;
-            s.contiguous()?
-        }
-        None => Tensor::zeros((batch, dim, width), x.dtype(), x.device())?,
-    };
-    let dims = ConvDims {
-        batch,
-        seqlen,
-        dim,
-        width,
-    };
+    let (state, dims) = initial_state_of(op, x, initial_state, [batch, seqlen, dim, width])?;
     match grad::backward(x, weight, opts.bias, &state, (opts.silu, dims), dy)? {
         (Some(x), Some(weight), bias) => Ok(ConvGrads { x, weight, bias }),
         _ => bail!("{op}: the backward returned no gradient"),
