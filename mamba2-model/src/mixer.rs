@@ -189,6 +189,20 @@ impl Mixer {
         ))
     }
 
+    /// The scan of the conv's `[x | B | C]` pieces `[rows, len, ·]` with `dt [rows, len, H]`.
+    fn scan(&self, parts: &[Tensor], dt: &Tensor, opts: &SsdOptions) -> Result<(Tensor, Tensor)> {
+        let (rows, len, _) = parts[0].dims3()?;
+        let groups = (rows, len, self.ngroups, self.d_state);
+        ssd(
+            &parts[0].reshape((rows, len, self.nheads, self.headdim))?,
+            dt,
+            &self.a,
+            &parts[1].reshape(groups)?,
+            &parts[2].reshape(groups)?,
+            opts,
+        )
+    }
+
     /// The scan's chunk length for `u`'s device: on the CPU at most [`CPU_CHUNK`].
     fn chunk_for(&self, u: &Tensor) -> usize {
         if u.device().is_cpu() {
@@ -284,7 +298,7 @@ impl Mixer {
         packing: &Packing,
         states: (&Tensor, &Tensor),
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (di, h, p, gn) = self.sizes();
+        let (di, h, _, gn) = self.sizes();
         let conv_dim = di + 2 * gn;
         let k = self.conv_weight.dim(1)?;
         // Contiguous pieces: the gathers below need contiguous sources, and candle copies a
@@ -325,16 +339,7 @@ impl Mixer {
                     .transpose(1, 2)?
                     .contiguous()?,
             );
-            let groups = (rows, len, self.ngroups, self.d_state);
-            let opts = self.ssd_options(u, Some(&ssm0));
-            let (y, ssm) = ssd(
-                &parts[0].reshape((rows, len, h, p))?,
-                &dt,
-                &self.a,
-                &parts[1].reshape(groups)?,
-                &parts[2].reshape(groups)?,
-                &opts,
-            )?;
+            let (y, ssm) = self.scan(&parts, &dt, &self.ssd_options(u, Some(&ssm0)))?;
             ys.push(y.reshape((rows * len, di))?);
             ssms.push(ssm);
         }
@@ -353,7 +358,7 @@ impl Mixer {
     /// token.
     pub(crate) fn forward_rows(&self, u: &Tensor, g: &Group) -> Result<(Tensor, Tensor, Tensor)> {
         let (rows, len, _) = u.dims3()?;
-        let (di, h, p, gn) = self.sizes();
+        let (di, _, _, gn) = self.sizes();
         let (conv_dim, k) = (di + 2 * gn, self.conv_weight.dim(1)?);
         let zxbcdt = rows_linear(&self.in_proj, u)?;
         let (z, xbc, dt) = self.split(&zxbcdt)?;
@@ -376,15 +381,7 @@ impl Mixer {
             .reshape((rows, k, conv_dim))?
             .transpose(1, 2)?
             .contiguous()?;
-        let groups = (rows, len, self.ngroups, self.d_state);
-        let (y, ssm) = ssd(
-            &parts[0].reshape((rows, len, h, p))?,
-            &dt,
-            &self.a,
-            &parts[1].reshape(groups)?,
-            &parts[2].reshape(groups)?,
-            &self.ssd_options(u, None),
-        )?;
+        let (y, ssm) = self.scan(&parts, &dt, &self.ssd_options(u, None))?;
         Ok((self.output(&y, &z)?, conv, ssm))
     }
 
@@ -442,8 +439,7 @@ impl Mixer {
         conv_state: Option<&Tensor>,
         ssm_state: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (b, l, _) = u.dims3()?;
-        let (di, h, p, gn) = self.sizes();
+        let (di, _, _, gn) = self.sizes();
         let (z, xbc, dt) = self.project(u)?;
         let opts = self.ssd_options(u, ssm_state);
         let conv_opts = self.conv_options();
@@ -458,11 +454,7 @@ impl Mixer {
             let split = [di, gn, gn];
             let (xbc, conv) =
                 causal_conv1d_split(&xbc, &self.conv_weight, conv_state, &conv_opts, &split)?;
-            let groups = (b, l, self.ngroups, self.d_state);
-            let x = xbc[0].reshape((b, l, h, p))?;
-            let bm = xbc[1].reshape(groups)?;
-            let cm = xbc[2].reshape(groups)?;
-            let (y, ssm) = ssd(&x, &dt, &self.a, &bm, &cm, &opts)?;
+            let (y, ssm) = self.scan(&xbc, &dt, &opts)?;
             (y, conv, ssm)
         };
         Ok((self.output(&y, &z)?, conv, ssm))
