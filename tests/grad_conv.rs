@@ -227,3 +227,35 @@ fn conv_backward_without_autograd_equals_autograd() -> Result<()> {
     }
     Ok(())
 }
+
+/// `causal_conv1d_split_backward` takes dy as the pieces `causal_conv1d_split` returns and gives
+/// the gradients of the whole dy; pieces that do not cut D are an error naming them.
+#[test]
+fn conv_split_backward_equals_the_whole_backward() -> Result<()> {
+    let mut rng = Rng::new(31);
+    let dev = Device::Cpu;
+    let x = rng.tensor(&[2, 9, 10], 1.0, &dev)?;
+    let w = rng.tensor(&[10, 4], 0.5, &dev)?;
+    let bias = rng.tensor(&[10], 0.5, &dev)?;
+    let dy = rng.tensor(&[2, 9, 10], 1.0, &dev)?;
+    let opts = ConvOptions {
+        bias: Some(&bias),
+        silu: true,
+    };
+    let whole = mamba2::kernels::causal_conv1d_backward(&x, &w, None, &opts, &dy)?;
+    let pieces = [
+        dy.narrow(2, 0, 6)?,
+        dy.narrow(2, 6, 2)?,
+        dy.narrow(2, 8, 2)?,
+    ];
+    let split = mamba2::kernels::causal_conv1d_split_backward(&x, &w, None, &opts, &pieces)?;
+    assert_eq!(split.x.to_vec3::<f32>()?, whole.x.to_vec3::<f32>()?);
+    assert_eq!(
+        split.weight.to_vec2::<f32>()?,
+        whole.weight.to_vec2::<f32>()?
+    );
+    let short = mamba2::kernels::causal_conv1d_split_backward(&x, &w, None, &opts, &pieces[..2]);
+    let msg = short.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("summing to D = 10"), "{msg}");
+    Ok(())
+}

@@ -1,5 +1,5 @@
-//! The CUDA backwards of `causal_conv1d`, `gated_rms_norm`, `add_rms_norm`, `cross_entropy` and
-//! `embedding` against their CPU backwards on the same random inputs (run on a GPU machine:
+//! The CUDA backwards of `causal_conv1d`, `gated_rms_norm`, `add_rms_norm`, `cross_entropy`,
+//! `linear_cross_entropy` and `embedding` against their CPU backwards on the same random inputs (run on a GPU machine:
 //! `cargo test --release --features cuda --test grad_cuda`; the `conv_`, `norm_`, `loss_` and
 //! `embedding_` prefixes pick a group). Every tracked input is
 //! a `Var` and `loss = Σ out·W` for fixed random W; each gradient's max error relative to the CPU
@@ -186,8 +186,76 @@ fn conv_backward_matches_cpu() -> Result<()> {
             x_only: true,
             ..base
         },
+        // The shipped mixer's xBC inside in_proj's unpadded 1,676-wide row (8-byte loads), and a
+        // slice at an odd offset (one channel a thread).
+        ConvCase {
+            slice: Some((1676, 768)),
+            split: Some([768, 64, 64]),
+            ..ConvCase::new(2, 40, 896, 4)
+        },
+        ConvCase {
+            slice: Some((160, 41)),
+            ..base
+        },
     ];
     check_conv(&cases, 100)
+}
+
+/// `causal_conv1d_split_backward` on CUDA, dy as three pieces read in place, against the CPU,
+/// with x a slice whose rows allow 16-byte, 8-byte and 2-byte loads.
+#[test]
+fn conv_split_backward_matches_cpu() -> Result<()> {
+    let dev = gpu();
+    for (n, (wide, off)) in [(1680usize, 768usize), (1676, 768), (1677, 769)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng::new(500 + n as u64);
+        let cpu = Device::Cpu;
+        let (b, l, d) = (2, 70, 896);
+        for dtype in DTYPES {
+            let x = rng.tensor(&[b, l, wide], 1.0, &cpu)?.to_dtype(dtype)?;
+            let w = rng.tensor(&[d, 4], 0.5, &cpu)?.to_dtype(dtype)?;
+            let bias = rng.tensor(&[d], 0.5, &cpu)?.to_dtype(dtype)?;
+            let dy = [768, 64, 64].map(|c| {
+                rng.tensor(&[b, l, c], 1.0, &cpu)
+                    .and_then(|t| t.to_dtype(dtype))
+            });
+            let dy = dy.into_iter().collect::<Result<Vec<_>>>()?;
+            let run = |dev: &Device| -> Result<k::ConvGrads> {
+                let bias = bias.to_device(dev)?;
+                let opts = k::ConvOptions {
+                    bias: Some(&bias),
+                    silu: true,
+                };
+                let x = x.to_device(dev)?.narrow(2, off, d)?;
+                let dy = dy
+                    .iter()
+                    .map(|t| t.to_device(dev))
+                    .collect::<Result<Vec<_>>>()?;
+                k::causal_conv1d_split_backward(&x, &w.to_device(dev)?, None, &opts, &dy)
+            };
+            let (want, got) = (run(&cpu)?, run(&dev)?);
+            let pairs = [
+                ("dx", got.x, want.x),
+                ("dweight", got.weight, want.weight),
+                (
+                    "dbias",
+                    got.bias.expect("a bias gradient"),
+                    want.bias.expect("a bias gradient"),
+                ),
+            ];
+            for (name, g, w) in pairs {
+                let e = rel_err(&g.to_device(&cpu)?, &w)?;
+                let tol = tolerance(dtype);
+                assert!(
+                    e <= tol,
+                    "row {wide} {dtype:?} {name}: rel err {e:e} > {tol:e}"
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// One token, fewer tokens than taps, channel counts off multiples of 8, one tap, and widths past
@@ -382,6 +450,52 @@ fn norm_add_backward_matches_cpu() -> Result<()> {
 
 /// Rows × vocabulary of the loss cases: one whose rows move 16 bytes at a time, one whose
 /// vocabulary (odd) makes them scalar, one of a single row.
+/// `add_rms_norm_backward` along the residual stream on CUDA (one kernel: the carried gradient
+/// plus d sum in f32 and rounded to dy's dtype, and d weight) against the CPU, with and without a
+/// carried gradient, rows of 384 (values in registers) and of 5000 channels (re-read).
+#[test]
+fn norm_add_backward_along_the_residual_matches_cpu() -> Result<()> {
+    let dev = gpu();
+    for (n, &(rows, dim)) in [(300usize, 384usize), (7, 5000)].iter().enumerate() {
+        let mut rng = Rng::new(700 + n as u64);
+        let cpu = Device::Cpu;
+        let sum = rng.tensor(&[rows, dim], 1.0, &cpu)?;
+        let carried = rng.tensor(&[rows, dim], 1.0, &cpu)?;
+        for dtype in DTYPES {
+            let w = rng.tensor_in(&[dim], 0.5, 1.5, &cpu)?.to_dtype(dtype)?;
+            let dy = rng.tensor(&[rows, dim], 1.0, &cpu)?.to_dtype(dtype)?;
+            for with in [false, true] {
+                let run = |d: &Device| -> Result<k::AddNormGrads> {
+                    let c = carried.to_device(d)?;
+                    let c = with.then_some(&c);
+                    k::add_rms_norm_backward(
+                        &sum.to_device(d)?,
+                        &w.to_device(d)?,
+                        1e-5,
+                        &dy.to_device(d)?,
+                        c,
+                    )
+                };
+                let (want, got) = (run(&cpu)?, run(&dev)?);
+                assert_eq!(got.x.dtype(), dtype);
+                let tol = tolerance(dtype);
+                for (name, g, w) in [
+                    ("residual", &got.residual, &want.residual),
+                    ("x", &got.x, &want.x),
+                    ("weight", &got.weight, &want.weight),
+                ] {
+                    let e = rel_err(&g.to_device(&cpu)?, w)?;
+                    assert!(
+                        e <= tol,
+                        "{rows}x{dim} {dtype:?} carried {with} {name}: {e:e}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 const LOSS_CASES: [(usize, usize); 3] = [(300, 8192), (77, 1001), (1, 50)];
 
 #[test]
@@ -420,6 +534,42 @@ fn loss_cross_entropy_and_its_backward_match_cpu() -> Result<()> {
                     "{name}: loss {got} on CUDA, {want} on the CPU"
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn loss_linear_cross_entropy_and_its_backward_match_cpu() -> Result<()> {
+    // (rows, d, V): the recorded op on CUDA against the product and cross_entropy on the CPU,
+    // the gradients of both the rows and the weight.
+    for (case, &(rows, dim, vocab)) in [(300, 64, 1001), (5, 24, 8192)].iter().enumerate() {
+        let mut rng = Rng::new(60 + case as u64);
+        let ids: Vec<u32> = (0..rows)
+            .map(|_| (rng.next_u64() % vocab as u64) as u32)
+            .collect();
+        let targets = Tensor::new(ids.as_slice(), &Device::Cpu)?;
+        for dtype in DTYPES {
+            let hidden = rng
+                .tensor(&[rows, dim], 1.0, &Device::Cpu)?
+                .to_dtype(dtype)?;
+            let weight = rng
+                .tensor(&[vocab, dim], 0.3, &Device::Cpu)?
+                .to_dtype(dtype)?;
+            let name = format!("linear_cross_entropy {rows}x{dim}x{vocab} {dtype:?}");
+            let loss = |v: &[Tensor], c: &[Tensor]| k::linear_cross_entropy(&v[0], &v[1], &c[0]);
+            let consts = [targets.clone()];
+            let vars = [hidden, weight];
+            compare(&name, tolerance(dtype), &vars, &consts, &loss)?;
+            let want = loss(&vars, &consts)?.to_scalar::<f32>()?;
+            let dev = gpu();
+            let on_gpu = [vars[0].to_device(&dev)?, vars[1].to_device(&dev)?];
+            let got = loss(&on_gpu, &[targets.to_device(&dev)?])?.to_scalar::<f32>()?;
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-3 };
+            assert!(
+                (got - want).abs() <= tol * want.abs().max(1.0),
+                "{name}: loss {got} on CUDA, {want} on the CPU"
+            );
         }
     }
     Ok(())

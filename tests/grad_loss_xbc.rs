@@ -8,7 +8,9 @@ mod common;
 use candle_core::{DType, Device, Result, Tensor, D};
 use common::grad::{backward_grads, check_grads, weighted};
 use common::{expect_err, rel_err, Rng};
-use mamba2::kernels::{cross_entropy, embedding, ssd, ssd_xbc, DtOptions, SsdOptions};
+use mamba2::kernels::{
+    cross_entropy, embedding, linear_cross_entropy, ssd, ssd_xbc, DtOptions, SsdOptions,
+};
 
 fn targets(rows: usize, vocab: usize, rng: &mut Rng) -> Result<Tensor> {
     let ids: Vec<u32> = (0..rows).map(|_| rng.below(vocab) as u32).collect();
@@ -88,6 +90,31 @@ fn cross_entropy_names_bad_input() -> Result<()> {
     assert!(cross_entropy(&nan, &ids(&[0])?)?
         .to_scalar::<f32>()?
         .is_nan());
+    Ok(())
+}
+
+#[test]
+fn linear_cross_entropy_names_bad_input() -> Result<()> {
+    let dev = &Device::Cpu;
+    let hidden = Tensor::zeros((2, 3), DType::F32, dev)?;
+    let weight = Tensor::zeros((5, 3), DType::F32, dev)?;
+    let ids = Tensor::new(&[0u32, 4], dev)?;
+    let narrow = Tensor::zeros((5, 2), DType::F32, dev)?;
+    expect_err(linear_cross_entropy(&hidden, &narrow, &ids), "[V, 3]");
+    let wide = weight.to_dtype(DType::F64)?;
+    expect_err(linear_cross_entropy(&hidden, &wide, &ids), "weight");
+    expect_err(
+        linear_cross_entropy(&hidden.flatten_all()?, &weight, &ids),
+        "hidden",
+    );
+    expect_err(
+        linear_cross_entropy(&hidden, &weight, &Tensor::new(&[0u32], dev)?),
+        "targets",
+    );
+    expect_err(
+        linear_cross_entropy(&hidden, &weight, &Tensor::new(&[0u32, 5], dev)?),
+        "target 5 at row 1",
+    );
     Ok(())
 }
 

@@ -239,3 +239,47 @@ fn gated_norm_backward_without_autograd_equals_autograd() -> Result<()> {
     assert!(msg.contains("group_size (5) must divide"), "{msg}");
     Ok(())
 }
+
+/// `add_rms_norm_backward`, the backward without autograd, returns autograd's gradient of y for
+/// the weight, and for x and the residual alike (both equal d sum), plus the carried gradient.
+#[test]
+fn add_norm_backward_without_autograd_equals_autograd() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(11);
+    let shape = [3, 5, 12];
+    let f64t = |t: Tensor| t.to_dtype(DType::F64);
+    let ins = vec![
+        f64t(rng.tensor(&shape, 1.0, &dev)?)?,
+        f64t(rng.tensor_in(&[12], 0.5, 1.5, &dev)?)?,
+        f64t(rng.tensor(&shape, 1.0, &dev)?)?,
+    ];
+    let lw = f64t(rng.tensor(&shape, 1.0, &dev)?)?;
+    let carried = f64t(rng.tensor(&shape, 1.0, &dev)?)?;
+    let loss = |ins: &[Tensor]| -> Result<Tensor> {
+        let (y, _) = add_rms_norm(&ins[0], Some(&ins[2]), &ins[1], EPS, false)?;
+        weighted(&y, &lw)
+    };
+    let want = backward_grads(&ins, &loss)?;
+    let sum = (&ins[0] + &ins[2])?;
+    let g = mamba2::kernels::add_rms_norm_backward(&sum, &ins[1], EPS, &lw, None)?;
+    for (name, got, want) in [
+        ("dx", &g.x, &want[0]),
+        ("dresidual", &g.residual, &want[2]),
+        ("dweight", &g.weight, &want[1]),
+    ] {
+        let err = rel_err(got, want)?;
+        assert!(err < 1e-12, "{name}: {err}");
+    }
+    let with = mamba2::kernels::add_rms_norm_backward(&sum, &ins[1], EPS, &lw, Some(&carried))?;
+    let err = rel_err(&with.residual, &(&want[2] + &carried)?)?;
+    assert!(err < 1e-12, "carried + d sum: {err}");
+    let bad =
+        mamba2::kernels::add_rms_norm_backward(&sum, &ins[1].narrow(0, 0, 5)?, EPS, &lw, None);
+    let msg = bad.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("weight"), "{msg}");
+    let narrow = carried.to_dtype(DType::F32)?;
+    let bad = mamba2::kernels::add_rms_norm_backward(&sum, &ins[1], EPS, &lw, Some(&narrow));
+    let msg = bad.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("carried"), "{msg}");
+    Ok(())
+}

@@ -241,6 +241,27 @@ pub fn causal_conv1d_bwd(t: Ty, taps: ConvTaps) -> String {
     format!("causal_conv1d_bwd_{}_{}", t.name(), taps.name())
 }
 
+/// Channels per thread of the conv's `_lanes` kernels (widths up to 4): the prefill's (8 would
+/// take 214 registers a thread, an eighth of the SM's threads).
+pub const CONV_LANES: [usize; 2] = [2, 4];
+/// The backward's (each channel holds five windows in registers).
+pub const CONV_BWD_LANES: [usize; 2] = [2, 4];
+
+/// Whether `lanes` channels of `t` make one load (at most 16 bytes).
+pub const fn conv_lanes_fit(t: Ty, lanes: usize) -> bool {
+    lanes * t.bytes() <= 16
+}
+
+/// The prefill conv with `lanes` channels per thread.
+pub fn causal_conv1d_lanes(t: Ty, lanes: usize) -> String {
+    format!("causal_conv1d_{}_v{lanes}", t.name())
+}
+
+/// The prefill conv's backward with `lanes` channels per thread.
+pub fn causal_conv1d_bwd_lanes(t: Ty, lanes: usize) -> String {
+    format!("causal_conv1d_bwd_{}_k4_v{lanes}", t.name())
+}
+
 pub fn gated_rms_norm(t: Ty, kind: RowKind) -> String {
     format!("gated_rms_norm_{}_{}", t.name(), kind.name())
 }
@@ -262,6 +283,12 @@ pub fn gated_rms_norm_bwd(t: Ty, kind: RowKind) -> String {
 /// The RMSNorm's backward (add_rms_norm's recorded half: dv and the partial sums of dweight).
 pub fn rms_norm_bwd(t: Ty, kind: RowKind) -> String {
     format!("rms_norm_bwd_{}_{}", t.name(), kind.name())
+}
+
+/// The add norm's backward along the residual stream (the carried gradient plus d sum, in the
+/// residual's type and rounded to the values' type, and the partial sums of dweight).
+pub fn add_norm_bwd(t: Ty, r: Ty, kind: RowKind) -> String {
+    format!("add_norm_bwd_{}_{}_{}", t.name(), r.name(), kind.name())
 }
 
 /// The types of target ids the loss kernels read: their suffix in kernel names and C type.
@@ -372,6 +399,26 @@ pub fn instances() -> Vec<Instance> {
             let w = taps.window().to_string();
             add(&mut v, "conv/causal_conv1d", name, "CONV_BWD", &[t.c(), &w]);
         }
+        for lanes in CONV_LANES.into_iter().filter(|&n| conv_lanes_fit(t, n)) {
+            let (name, n) = (causal_conv1d_lanes(t, lanes), lanes.to_string());
+            add(
+                &mut v,
+                "conv/causal_conv1d",
+                name,
+                "CONV_LANES",
+                &[t.c(), &n],
+            );
+        }
+        for lanes in CONV_BWD_LANES.into_iter().filter(|&n| conv_lanes_fit(t, n)) {
+            let (name, n) = (causal_conv1d_bwd_lanes(t, lanes), lanes.to_string());
+            add(
+                &mut v,
+                "conv/causal_conv1d",
+                name,
+                "CONV_BWD_LANES",
+                &[t.c(), &n],
+            );
+        }
         for kind in NORM_BWD_ROWS {
             let rows = if kind == RowKind::Reg { "8" } else { "0" };
             let name = gated_rms_norm_bwd(t, kind);
@@ -390,6 +437,9 @@ pub fn instances() -> Vec<Instance> {
                 "RMS_NORM_BWD",
                 &[t.c(), rows],
             );
+            let name = add_norm_bwd(t, Ty::F32, kind);
+            let args = [t.c(), Ty::F32.c(), rows];
+            add(&mut v, "norm/rms_norm", name, "ADD_NORM_BWD", &args);
         }
         for kind in RowKind::ALL {
             let (gated, add_norm, rows) = match kind {

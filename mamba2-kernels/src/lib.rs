@@ -22,8 +22,9 @@
 //! (depthwise causal conv with its rolling state, fused SiLU), [`gated_rms_norm`] (the per-group
 //! `norm(y·silu(z))`), [`add_rms_norm`] (residual add + RMSNorm) and [`matvec`] (a linear layer on
 //! a few rows: the projections of a decode step, at close to copy bandwidth on CUDA). Training
-//! adds [`cross_entropy`] (the loss, one pass over the logits each way) and [`embedding`] (the
-//! lookup, whose CUDA backward is a scatter-add).
+//! adds [`cross_entropy`] (the loss, one pass over the logits each way), [`linear_cross_entropy`]
+//! (the output layer's product and the loss as one op) and [`embedding`] (the lookup, whose CUDA
+//! backward is a scatter-add).
 //!
 //! With the `timeline` feature the CUDA kernels record when their blocks pass a few marks, and
 //! `ssd_timeline` gives one call's timeline (`bench_ssd --cuda --timeline`).
@@ -56,16 +57,19 @@ mod ssd_step;
 
 pub use check::{cu_seqlens as check_cu_seqlens, MAX_CHUNK_SIZE, MAX_DIM};
 pub use conv::{
-    causal_conv1d, causal_conv1d_backward, causal_conv1d_split, causal_conv1d_split_packed,
-    causal_conv1d_step, causal_conv1d_step_split, ConvGrads, ConvOptions,
+    causal_conv1d, causal_conv1d_backward, causal_conv1d_split, causal_conv1d_split_backward,
+    causal_conv1d_split_packed, causal_conv1d_step, causal_conv1d_step_split, ConvGrads,
+    ConvOptions,
 };
 #[cfg(feature = "cuda")]
 pub use cuda::set_poison;
 pub use dt::DtOptions;
 pub use embedding::embedding;
-pub use loss::cross_entropy;
+pub use loss::{cross_entropy, linear_cross_entropy};
 pub use matvec::matvec;
-pub use norm::{add_rms_norm, gated_rms_norm, gated_rms_norm_backward};
+pub use norm::{
+    add_rms_norm, add_rms_norm_backward, gated_rms_norm, gated_rms_norm_backward, AddNormGrads,
+};
 pub use ssd::{
     chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_backward, ssd_packed, ssd_xbc, SsdGrads,
     SsdOptions,

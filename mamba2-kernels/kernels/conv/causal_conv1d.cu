@@ -6,11 +6,16 @@
 // first); all of type T, f32 accumulation. The output is cut by channels into up to three
 // contiguous pieces (x, B and C of the mixer): channel d < s0 goes to y0 [rows, s0], the next s1
 // to y1 [rows, s1], the rest to y2 [rows, D − s0 − s1].
-// The backward, with a the pre-activation (recomputed) and dy, dx [B,L,D] contiguous:
+// The backward, with a the pre-activation (recomputed), dy [B,L,D] given whole or as the
+// forward's three pieces, and dx [B,L,D] contiguous:
 //   da = dy · act'(a)      dx[b,s,d] = Σ_k w[d,k] · da[b, s+K−1−k, d]   (positions < L)
 //   dw[d,k] = Σ_{b,t} da[b,t,d] · u[b, t−K+1+k, d]      dbias[d] = Σ_{b,t} da[b,t,d]
 // Each program leaves its sums of dw and dbias as one f32 row [K+1, D] (tap-major, then the
 // bias) of `part`; the rows are summed after the kernel.
+// The `_lanes` variants (K <= 4) give each thread V adjacent channels, moved V·sizeof(T) bytes
+// at a time (the launcher checks the alignment), and hold every input in a register window: one
+// load per value, and the loads of several tokens issued together, since a thread that waits on
+// one token's loads at a time leaves the memory system idle.
 #include "params.cuh"
 
 namespace {
@@ -32,6 +37,29 @@ __device__ __forceinline__ void put(const ConvParams& o, long row, int d, int D,
 }
 
 constexpr int TOKENS = 32;  // tokens per thread in the prefill kernel
+
+// V adjacent channels, moved as one load or store.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Lanes {
+  T v[V];
+};
+
+// The piece of channel d among p0 [rows, s0], p1 [rows, s1], p2 [rows, D − s0 − s1]: its column
+// pointer (row 0) and row stride.
+template <typename P>
+__device__ __forceinline__ P* piece(P* p0, P* p1, P* p2, int s0, int s1, int D, int d,
+                                    long* stride) {
+  if (d < s0) {
+    *stride = s0;
+    return p0 + d;
+  }
+  if (d < s0 + s1) {
+    *stride = s1;
+    return p1 + (d - s0);
+  }
+  *stride = D - s0 - s1;
+  return p2 + (d - s0 - s1);
+}
 
 template <typename T>
 __device__ __forceinline__ float input(const T* x, const T* st, int b, int t, int d, int L, int D,
@@ -78,6 +106,69 @@ __device__ void conv_prefill(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
+constexpr int GROUP = 8;  // tokens whose loads the lanes prefill issues together
+
+// The prefill for K <= 4, V channels per thread: the last three inputs of each channel stay in
+// registers, slot j holding position t − 3 + j before token t comes in.
+template <typename T, int V>
+__device__ void conv_prefill_lanes(const T* __restrict__ x, const T* __restrict__ w,
+                                   const T* __restrict__ bias, const T* __restrict__ st_in,
+                                   T* __restrict__ st_out, const ConvParams& p) {
+  constexpr int W = 4;
+  const int L = p.seqlen, D = p.dim, K = p.width;
+  const long x_stride = p.x_stride;
+  const int d0 = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+  const int t0 = blockIdx.y * TOKENS, b = blockIdx.z;
+  if (d0 >= D) return;
+  const int lo = W - K;  // taps j >= lo are live: tap j reads position t − (W−1) + j
+  float wk[V][W], bv[V], u[V][W - 1];
+#pragma unroll
+  for (int c = 0; c < V; ++c) {
+    bv[c] = bias ? m2::to_f(bias[d0 + c]) : 0.f;
+#pragma unroll
+    for (int j = 0; j < W; ++j) wk[c][j] = j >= lo ? m2::to_f(w[(d0 + c) * K + j - lo]) : 0.f;
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j)
+      u[c][j] = j >= lo ? input(x, st_in, b, t0 - (W - 1) + j, d0 + c, L, D, K, x_stride) : 0.f;
+  }
+  long ostride;
+  T* out = piece(static_cast<T*>(p.y0), static_cast<T*>(p.y1), static_cast<T*>(p.y2), p.s0,
+                 p.s1, D, d0, &ostride);
+  const long row0 = static_cast<long>(b) * L;
+  const int t1 = min(L, t0 + TOKENS);
+  for (int g = t0; g < t1; g += GROUP) {
+    Lanes<T, V> xv[GROUP];
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i)
+      if (g + i < t1)
+        xv[i] = *reinterpret_cast<const Lanes<T, V>*>(x + (row0 + g + i) * x_stride + d0);
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) {
+      if (g + i >= t1) break;
+      Lanes<T, V> o;
+#pragma unroll
+      for (int c = 0; c < V; ++c) {
+        const float xc = m2::to_f(xv[i].v[c]);
+        float a = bv[c] + wk[c][W - 1] * xc;
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) a += wk[c][j] * u[c][j];
+        if (p.silu) a = m2::silu(a);
+        o.v[c] = m2::from_f<T>(a);
+#pragma unroll
+        for (int j = 0; j < W - 2; ++j) u[c][j] = u[c][j + 1];
+        u[c][W - 2] = xc;
+      }
+      *reinterpret_cast<Lanes<T, V>*>(out + (row0 + g + i) * ostride) = o;
+    }
+  }
+  if (blockIdx.y == 0) {
+    for (int c = 0; c < V; ++c)
+      for (int k = 0; k < K; ++k)
+        st_out[(static_cast<long>(b) * D + d0 + c) * K + k] =
+            m2::from_f<T>(input(x, st_in, b, L - K + k, d0 + c, L, D, K, x_stride));
+  }
+}
+
 template <typename T>
 __device__ void conv_step(T* __restrict__ st, const T* __restrict__ x, const T* __restrict__ w,
                           const T* __restrict__ bias, const ConvParams& p) {
@@ -120,7 +211,10 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
   if (d >= D) return;
   const int ts = blockIdx.y * p.span, te = ts + min(p.span, L - ts);
   const long row0 = static_cast<long>(b) * L;
-  const T* dyc = dy + row0 * D + d;
+  long dys;
+  const T* dyc = piece(dy, static_cast<const T*>(p.dy1), static_cast<const T*>(p.dy2), p.s0, p.s1,
+                       D, d, &dys);
+  dyc += row0 * dys;
   T* dxc = dx + row0 * D + d;
   float* pc = part + (static_cast<long>(b) * gridDim.y + blockIdx.y) * (K + 1) * D + d;
   const float bv = bias ? m2::to_f(bias[d]) : 0.f;
@@ -147,7 +241,7 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
         const int t = t0 + i;
         const bool in = t < tend && t < L;
         xv[i] = in ? m2::to_f(x[(row0 + t) * x_stride + d]) : 0.f;
-        gv[i] = in ? m2::to_f(dyc[static_cast<long>(t) * D]) : 0.f;
+        gv[i] = in ? m2::to_f(dyc[static_cast<long>(t) * dys]) : 0.f;
       }
 #pragma unroll
       for (int i = 0; i < AHEAD; ++i) {
@@ -185,7 +279,7 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
     auto u_at = [&](int t) { return input(x, st, b, t, d, L, D, K, x_stride); };
     auto da_at = [&](int t) {
       if (t >= L) return 0.f;
-      const float g = m2::to_f(dyc[static_cast<long>(t) * D]);
+      const float g = m2::to_f(dyc[static_cast<long>(t) * dys]);
       if (!p.silu) return g;
       float a = bv;
       for (int k = 0; k < K; ++k) a += m2::to_f(wd[k]) * u_at(t - K + 1 + k);
@@ -205,6 +299,100 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
   pc[static_cast<long>(K) * D] = db;
 }
 
+// conv_bwd for K <= 4 with V channels per thread (the window W = 4 of conv_bwd<T, 4>).
+template <typename T, int V>
+__device__ void conv_bwd_lanes(const T* __restrict__ x, const T* __restrict__ dy,
+                               const T* __restrict__ w, const T* __restrict__ bias,
+                               const T* __restrict__ st, T* __restrict__ dx,
+                               float* __restrict__ part, const ConvBwdParams& p) {
+  constexpr int W = 4;
+  const int L = p.seqlen, D = p.dim, K = p.width;
+  const long x_stride = p.x_stride;
+  const int d0 = (blockIdx.x * blockDim.x + threadIdx.x) * V, b = blockIdx.z;
+  if (d0 >= D) return;
+  const int ts = blockIdx.y * p.span, te = ts + min(p.span, L - ts);
+  const long row0 = static_cast<long>(b) * L;
+  long dys;
+  const T* dyc = piece(dy, static_cast<const T*>(p.dy1), static_cast<const T*>(p.dy2), p.s0, p.s1,
+                       D, d0, &dys);
+  dyc += row0 * dys;
+  T* dxc = dx + row0 * D + d0;
+  float* pc = part + (static_cast<long>(b) * gridDim.y + blockIdx.y) * (K + 1) * D + d0;
+  const int lo = W - K;
+  float wa[V][W], wb[V][W], u[V][W], da[V][W], gw[V][W], bv[V], db[V];
+#pragma unroll
+  for (int c = 0; c < V; ++c) {
+    const T* wd = w + static_cast<long>(d0 + c) * K;
+    bv[c] = bias ? m2::to_f(bias[d0 + c]) : 0.f;
+    db[c] = 0.f;
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      wa[c][j] = j >= lo ? m2::to_f(wd[j - lo]) : 0.f;
+      wb[c][j] = j >= lo ? m2::to_f(wd[W - 1 - j]) : 0.f;
+      u[c][j] = j > lo ? input(x, st, b, ts - W + j, d0 + c, L, D, K, x_stride) : 0.f;
+      da[c][j] = 0.f;
+      gw[c][j] = 0.f;
+    }
+  }
+  const int tend = te + K - 1;
+  for (int t0 = ts; t0 < tend; t0 += AHEAD) {
+    Lanes<T, V> xv[AHEAD], gv[AHEAD];
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i) {
+      const int t = t0 + i;
+      if (t < tend && t < L) {
+        xv[i] = *reinterpret_cast<const Lanes<T, V>*>(x + (row0 + t) * x_stride + d0);
+        gv[i] = *reinterpret_cast<const Lanes<T, V>*>(dyc + static_cast<long>(t) * dys);
+      } else {
+#pragma unroll
+        for (int c = 0; c < V; ++c) {
+          xv[i].v[c] = m2::from_f<T>(0.f);
+          gv[i].v[c] = m2::from_f<T>(0.f);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i) {
+      const int t = t0 + i;
+      if (t >= tend) break;
+      Lanes<T, V> o;
+#pragma unroll
+      for (int c = 0; c < V; ++c) {
+        float a = bv[c];
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          u[c][j] = j + 1 < W ? u[c][j + 1] : m2::to_f(xv[i].v[c]);
+          if (j >= lo) a += wa[c][j] * u[c][j];
+        }
+        const float gy = m2::to_f(gv[i].v[c]);
+        const float g = p.silu ? gy * silu_grad(a) : gy;
+        if (t < te) {
+          db[c] += g;
+#pragma unroll
+          for (int j = 0; j < W; ++j)
+            if (j >= lo) gw[c][j] += g * u[c][j];
+        }
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          da[c][j] = j + 1 < W ? da[c][j + 1] : g;
+          if (j >= lo) s += wb[c][j] * da[c][j];
+        }
+        o.v[c] = m2::from_f<T>(s);
+      }
+      const int so = t - K + 1;
+      if (so >= ts) *reinterpret_cast<Lanes<T, V>*>(dxc + static_cast<long>(so) * D) = o;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < V; ++c) {
+#pragma unroll
+    for (int j = 0; j < W; ++j)
+      if (j >= lo) pc[static_cast<long>(j - lo) * D + c] = gw[c][j];
+    pc[static_cast<long>(K) * D + c] = db[c];
+  }
+}
+
 }  // namespace
 
 // The kernels, instantiated from the list in src/instances.rs (causal_conv1d.inc).
@@ -213,6 +401,12 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
                                   T* st_out, ConvParams p) {                                   \
     m2::wait_prior_grid();                                                                     \
     conv_prefill<T>(x, w, bias, st_in, st_out, p);                                             \
+  }
+#define CONV_LANES(NAME, T, V)                                                                 \
+  extern "C" __global__ void NAME(const T* x, const T* w, const T* bias, const T* st_in,       \
+                                  T* st_out, ConvParams p) {                                   \
+    m2::wait_prior_grid();                                                                     \
+    conv_prefill_lanes<T, V>(x, w, bias, st_in, st_out, p);                                    \
   }
 #define CONV_STEP(NAME, T)                                                                     \
   extern "C" __global__ void NAME(T* st, const T* x, const T* w, const T* bias, ConvParams p) { \
@@ -224,5 +418,11 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
                                   const T* st, T* dx, float* part, ConvBwdParams p) {          \
     m2::wait_prior_grid();                                                                     \
     conv_bwd<T, W>(x, dy, w, bias, st, dx, part, p);                                           \
+  }
+#define CONV_BWD_LANES(NAME, T, V)                                                             \
+  extern "C" __global__ void NAME(const T* x, const T* dy, const T* w, const T* bias,          \
+                                  const T* st, T* dx, float* part, ConvBwdParams p) {          \
+    m2::wait_prior_grid();                                                                     \
+    conv_bwd_lanes<T, V>(x, dy, w, bias, st, dx, part, p);                                     \
   }
 #include "conv/causal_conv1d.inc"

@@ -30,22 +30,30 @@ M2_AT(ConvParams, dim, 48);
 M2_AT(ConvParams, width, 52);
 M2_AT(ConvParams, silu, 56);
 
-// The backward's: the token-row stride of x (elements; dy and dx are contiguous), the
-// dimensions, the tokens of one program (program y of batch b takes tokens [y·span, (y+1)·span)
-// of it) and whether SiLU is applied.
+// The backward's: the token-row stride of x (elements; dx is contiguous), the output gradient's
+// pieces dy1 [rows, s1] and dy2 [rows, D − s0 − s1] beside dy0 [rows, s0] (the kernel's dy
+// argument; s0 = D and no others when dy is whole), the dimensions, the tokens of one program
+// (program y of batch b takes tokens [y·span, (y+1)·span) of it) and whether SiLU is applied.
 struct ConvBwdParams {
   long x_stride;
+  const void* dy1;
+  const void* dy2;
   int batch, seqlen, dim, width;
   int span;
   int silu;
+  int s0, s1;
 };
-M2_SIZE(ConvBwdParams, 32);
+M2_SIZE(ConvBwdParams, 56);
 M2_AT(ConvBwdParams, x_stride, 0);
-M2_AT(ConvBwdParams, batch, 8);
-M2_AT(ConvBwdParams, seqlen, 12);
-M2_AT(ConvBwdParams, dim, 16);
-M2_AT(ConvBwdParams, width, 20);
-M2_AT(ConvBwdParams, span, 24);
-M2_AT(ConvBwdParams, silu, 28);
+M2_AT(ConvBwdParams, dy1, 8);
+M2_AT(ConvBwdParams, dy2, 16);
+M2_AT(ConvBwdParams, batch, 24);
+M2_AT(ConvBwdParams, seqlen, 28);
+M2_AT(ConvBwdParams, dim, 32);
+M2_AT(ConvBwdParams, width, 36);
+M2_AT(ConvBwdParams, span, 40);
+M2_AT(ConvBwdParams, silu, 44);
+M2_AT(ConvBwdParams, s0, 48);
+M2_AT(ConvBwdParams, s1, 52);
 
 }  // namespace m2

@@ -276,6 +276,81 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ z,
   }
 }
 
+// The backward of the add norm along the residual stream: for a row's sum s (type R), the output
+// gradient dy and the gradient g that s already carries from later blocks (none when null),
+//   g' = g + r·w·dy − s·c        r = rsqrt(mean(s²) + eps),  c = r³·mean(s·w·dy)
+// written in R to g_out and, when h is not null, rounded to T in h (the next mixer backward's
+// input); the dw sums as rms_norm_bwd's (rows of the program, one row of `part`). One program
+// per row set of the whole row (the group is the row), V as in rms_norm_bwd.
+template <typename T, typename R, int V>
+__device__ void add_norm_bwd(const R* __restrict__ s, const T* __restrict__ w,
+                             const T* __restrict__ dy, const R* __restrict__ g,
+                             R* __restrict__ g_out, T* __restrict__ h, float* __restrict__ part,
+                             const m2::NormBwdParams& p) {
+  __shared__ float2 red[32];
+  const int D = p.dim;
+  const float inv = 1.f / D;
+  float* pr = part + static_cast<long>(blockIdx.x) * D;
+  auto put = [&](long at, float v) {
+    g_out[at] = static_cast<R>(v);
+    if (h) h[at] = m2::from_f<T>(v);
+  };
+  if constexpr (V > 0) {
+    float acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0.f;
+    for (long row = blockIdx.x; row < p.rows; row += gridDim.x) {
+      const long r0 = row * D;
+      float sv[V], dv[V], gv[V], ss = 0.f, sd = 0.f;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        const bool live = i < D;
+        sv[j] = live ? static_cast<float>(s[r0 + i]) : 0.f;
+        dv[j] = live ? m2::to_f(dy[r0 + i]) : 0.f;
+        gv[j] = live && g ? static_cast<float>(g[r0 + i]) : 0.f;
+        ss += sv[j] * sv[j];
+        sd += live ? sv[j] * m2::to_f(w[i]) * dv[j] : 0.f;
+      }
+      const float2 t = block_sum2(ss, sd, red);
+      const float r = rsqrtf(t.x * inv + p.eps), c = r * r * r * t.y * inv;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < D) {
+          put(r0 + i, gv[j] + r * m2::to_f(w[i]) * dv[j] - sv[j] * c);
+          acc[j] += dv[j] * sv[j] * r;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int i = threadIdx.x + j * blockDim.x;
+      if (i < D) pr[i] = acc[j];
+    }
+  } else {
+    // The thread alone writes its elements of the row: they accumulate in place.
+    for (int i = threadIdx.x; i < D; i += blockDim.x) pr[i] = 0.f;
+    for (long row = blockIdx.x; row < p.rows; row += gridDim.x) {
+      const long r0 = row * D;
+      float ss = 0.f, sd = 0.f;
+      for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float sv = static_cast<float>(s[r0 + i]);
+        ss += sv * sv;
+        sd += sv * m2::to_f(w[i]) * m2::to_f(dy[r0 + i]);
+      }
+      const float2 t = block_sum2(ss, sd, red);
+      const float r = rsqrtf(t.x * inv + p.eps), c = r * r * r * t.y * inv;
+      for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float sv = static_cast<float>(s[r0 + i]), dv = m2::to_f(dy[r0 + i]);
+        const float gv = g ? static_cast<float>(g[r0 + i]) : 0.f;
+        put(r0 + i, gv + r * m2::to_f(w[i]) * dv - sv * c);
+        pr[i] += dv * sv * r;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // The kernels, instantiated from the list in src/instances.rs (rms_norm.inc); R is the
@@ -315,5 +390,12 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ z,
       NAME(const T* x, const T* w, const T* dy, T* dx, float* part, m2::NormBwdParams p) {     \
     m2::wait_prior_grid();                                                                     \
     rms_norm_bwd<T, V, false>(x, nullptr, w, dy, dx, nullptr, part, p);                        \
+  }
+#define ADD_NORM_BWD(NAME, T, R, V)                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                           \
+      NAME(const R* s, const T* w, const T* dy, const R* g, R* g_out, T* h, float* part,        \
+           m2::NormBwdParams p) {                                                              \
+    m2::wait_prior_grid();                                                                     \
+    add_norm_bwd<T, R, V>(s, w, dy, g, g_out, h, part, p);                                     \
   }
 #include "norm/rms_norm.inc"

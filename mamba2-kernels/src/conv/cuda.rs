@@ -43,21 +43,26 @@ m2_layout!(ConvParams, 64, {
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for ConvParams {}
 
-/// `m2::ConvBwdParams` (`kernels/conv/params.cuh`): the token-row stride of x, the dimensions,
-/// the tokens per program, SiLU.
+/// `m2::ConvBwdParams` (`kernels/conv/params.cuh`): the token-row stride of x, dy's second and
+/// third pieces, the dimensions, the tokens per program, SiLU, the pieces' channel counts.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct ConvBwdParams {
     x_stride: i64,
+    dy1: u64,
+    dy2: u64,
     batch: i32,
     seqlen: i32,
     dim: i32,
     width: i32,
     span: i32,
     silu: i32,
+    s0: i32,
+    s1: i32,
 }
-m2_layout!(ConvBwdParams, 32, {
-    x_stride: 0, batch: 8, seqlen: 12, dim: 16, width: 20, span: 24, silu: 28,
+m2_layout!(ConvBwdParams, 56, {
+    x_stride: 0, dy1: 8, dy2: 16, batch: 24, seqlen: 28, dim: 32, width: 36, span: 40,
+    silu: 44, s0: 48, s1: 52,
 });
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for ConvBwdParams {}
@@ -147,12 +152,21 @@ pub(super) fn causal_conv1d(
         &stream,
     )?
     .0;
-    let f = function(
-        &stream,
-        IMAGE,
-        &instances::causal_conv1d(ty(op, x_s.dtype())?),
-    )?;
-    let grid = [d.dim.div_ceil(THREADS), d.seqlen.div_ceil(TOKENS), d.batch];
+    let t = ty(op, x_s.dtype())?;
+    let x_step = usize::try_from(x_stride).unwrap_or(1);
+    let addrs = [x_p, params.y0, params.y1, params.y2];
+    let shape = (d.dim, conv.split, x_step);
+    let lanes = plan::lanes(&instances::CONV_LANES, t.bytes(), d.width, shape, &addrs);
+    let kernel = match lanes {
+        1 => instances::causal_conv1d(t),
+        n => instances::causal_conv1d_lanes(t, n),
+    };
+    let f = function(&stream, IMAGE, &kernel)?;
+    let grid = [
+        (d.dim / lanes).div_ceil(THREADS),
+        d.seqlen.div_ceil(TOKENS),
+        d.batch,
+    ];
     launch(
         &stream,
         &f,
@@ -220,8 +234,9 @@ pub(super) struct ConvGrads {
     pub programs: usize,
 }
 
-/// The prefill conv's backward for the output gradient `dy [B,L,D]` (contiguous) from the
-/// forward's x, weight, bias and initial state (see `kernels/conv/causal_conv1d.cu`).
+/// The prefill conv's backward for the output gradient `dy`, given as 1 to 3 contiguous pieces
+/// `[B·L, split[k]]` cut by channels (the forward's output pieces), from the forward's x,
+/// weight, bias and initial state (see `kernels/conv/causal_conv1d.cu`).
 pub(super) fn causal_conv1d_bwd(
     silu: bool,
     d: ConvDims,
@@ -229,24 +244,54 @@ pub(super) fn causal_conv1d_bwd(
     (w_s, w_l): Input,
     bias: Option<Input>,
     (st_s, st_l): Input,
-    (dy_s, dy_l): Input,
+    dy: &[Input],
+    split: &[usize],
 ) -> Result<ConvGrads> {
     let op = "causal_conv1d backward";
     let dtype = x_s.dtype();
-    let others = [
-        ("weight", w_s),
-        ("initial_state", st_s),
-        ("output gradient", dy_s),
-    ];
-    for (name, s) in others.into_iter().chain(bias.map(|(b, _)| ("bias", b))) {
+    if dy.is_empty() || dy.len() > 3 || dy.len() != split.len() {
+        bail!(
+            "{op}: {} output gradient pieces for {} channel counts",
+            dy.len(),
+            split.len()
+        )
+    }
+    let others = [("weight", w_s), ("initial_state", st_s)];
+    let pieces = dy.iter().map(|(s, _)| ("output gradient", *s));
+    for (name, s) in others
+        .into_iter()
+        .chain(pieces)
+        .chain(bias.map(|(b, _)| ("bias", b)))
+    {
         if s.dtype() != dtype {
             bail!("{op}: {name} is {:?}, x is {dtype:?}", s.dtype())
         }
     }
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
-    let threads = plan::threads(d.dim);
-    let span = plan::span(d.batch, d.seqlen, d.dim, sm_count(&stream)?);
+    let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
+    let mut guards = Vec::with_capacity(3);
+    let mut dy_p = [0u64; 3];
+    for (k, &(s, l)) in dy.iter().enumerate() {
+        let (p, g) = ptr(op, "output gradient", s, l, &stream)?;
+        dy_p[k] = p;
+        guards.push(g);
+    }
+    let t = ty(op, dtype)?;
+    let x_step = usize::try_from(x_stride).unwrap_or(1);
+    let mut addrs = vec![x_p];
+    addrs.extend_from_slice(&dy_p[..dy.len()]);
+    let shape = (d.dim, split, x_step);
+    let lanes = plan::lanes(
+        &instances::CONV_BWD_LANES,
+        t.bytes(),
+        d.width,
+        shape,
+        &addrs,
+    );
+    let columns = d.dim / lanes;
+    let threads = plan::threads(columns);
+    let span = plan::span(d.batch, d.seqlen, columns, sm_count(&stream)?);
     // Token indices run up to L + K − 1 + span inside the kernel.
     i(d.seqlen + d.width + span)?;
     let spans = d.seqlen.div_ceil(span);
@@ -255,7 +300,6 @@ pub(super) fn causal_conv1d_bwd(
     let mut dx = alloc(dev, dtype, rows * d.dim)?;
     let parts_len = programs * (d.width + 1) * d.dim;
     let mut parts = alloc(dev, DType::F32, parts_len)?;
-    let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
     let (bias_p, _g3) = match bias {
         Some((b_s, b_l)) => {
@@ -265,7 +309,6 @@ pub(super) fn causal_conv1d_bwd(
         None => (0, None),
     };
     let (st_p, _g4) = ptr(op, "initial_state", st_s, st_l, &stream)?;
-    let (dy_p, _g5) = ptr(op, "output gradient", dy_s, dy_l, &stream)?;
     let dx_p = ptr(op, "dx", &dx, &Layout::contiguous(rows * d.dim), &stream)?.0;
     let parts_p = ptr(
         op,
@@ -277,22 +320,32 @@ pub(super) fn causal_conv1d_bwd(
     .0;
     let params = ConvBwdParams {
         x_stride,
+        dy1: dy_p[1],
+        dy2: dy_p[2],
         batch: i(d.batch)?,
         seqlen: i(d.seqlen)?,
         dim: i(d.dim)?,
         width: i(d.width)?,
         span: i(span)?,
         silu: silu as i32,
+        s0: i(split[0])?,
+        s1: i(split.get(1).copied().unwrap_or(0))?,
     };
-    let kernel = instances::causal_conv1d_bwd(ty(op, dtype)?, plan::taps(d.width));
+    let kernel = match lanes {
+        1 => instances::causal_conv1d_bwd(t, plan::taps(d.width)),
+        n => instances::causal_conv1d_bwd_lanes(t, n),
+    };
     let f = function(&stream, IMAGE, &kernel)?;
-    let grid = [d.dim.div_ceil(threads), spans, d.batch];
+    let grid = [columns.div_ceil(threads), spans, d.batch];
     launch(
         &stream,
         &f,
         cfg(op, &stream, grid, [threads, 1, 1], 0)?,
-        &[&x_p, &dy_p, &w_p, &bias_p, &st_p, &dx_p, &parts_p, &params],
+        &[
+            &x_p, &dy_p[0], &w_p, &bias_p, &st_p, &dx_p, &parts_p, &params,
+        ],
     )?;
+    drop(guards);
     written(&mut dx, &stream)?;
     written(&mut parts, &stream)?;
     Ok(ConvGrads {

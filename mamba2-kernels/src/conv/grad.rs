@@ -93,22 +93,25 @@ impl RecordedConv {
         }
     }
 
+    /// The gradients for the output gradient given as its pieces `dy [B,L,split[k]]`, cut by
+    /// channels (one piece: all of dy).
     fn grads(
         &self,
         x: &Tensor,
         w: &Tensor,
         bias: Option<&Tensor>,
-        dy: &Tensor,
+        dy: &[Tensor],
         want: Want,
     ) -> Result<Grads> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
             return self.cuda_grads(x, w, bias, dy, want);
         }
+        let dy = Tensor::cat(dy, 2)?;
         if wide(x.dtype()) {
-            self.grads_in::<f64>(x, w, bias, dy, want)
+            self.grads_in::<f64>(x, w, bias, &dy, want)
         } else {
-            self.grads_in::<f32>(x, w, bias, dy, want)
+            self.grads_in::<f32>(x, w, bias, &dy, want)
         }
     }
 
@@ -146,12 +149,21 @@ impl RecordedConv {
         x: &Tensor,
         w: &Tensor,
         bias: Option<&Tensor>,
-        dy: &Tensor,
+        dy: &[Tensor],
         want: Want,
     ) -> Result<Grads> {
         use crate::cuda::{tensor, Held};
-        let dy = dy.contiguous()?;
-        let [xh, wh, sh, dyh] = [x, w, &self.state, &dy].map(Held::new);
+        let dy = dy
+            .iter()
+            .map(|t| t.contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        let split = dy.iter().map(|t| t.dim(2)).collect::<Result<Vec<_>>>()?;
+        let [xh, wh, sh] = [x, w, &self.state].map(Held::new);
+        let dyh = dy.iter().map(Held::new).collect::<Vec<_>>();
+        let dy_args = dyh
+            .iter()
+            .map(|h| h.arg(OP, "output gradient"))
+            .collect::<Result<Vec<_>>>()?;
         let bh = bias.map(Held::new);
         let g = super::cuda::causal_conv1d_bwd(
             self.silu,
@@ -160,7 +172,8 @@ impl RecordedConv {
             wh.arg(OP, "weight")?,
             bh.as_ref().map(|h| h.arg(OP, "bias")).transpose()?,
             sh.arg(OP, "initial_state")?,
-            dyh.arg(OP, "output gradient")?,
+            &dy_args,
+            &split,
         )?;
         let ConvDims { dim, width, .. } = self.dims;
         let sums = tensor(g.parts, (g.programs, (width + 1) * dim)).sum(0)?;
@@ -217,6 +230,7 @@ impl CustomOp3 for RecordedConv {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<Grads> {
+        let dy = std::slice::from_ref(dy);
         self.grads(x, w, Some(bias), dy, tracking(x, w, Some(bias)))
     }
 }
@@ -254,6 +268,7 @@ impl CustomOp2 for RecordedConv {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = std::slice::from_ref(dy);
         let (dx, dw, _) = self.grads(x, w, None, dy, tracking(x, w, None))?;
         Ok((dx, dw))
     }
@@ -308,14 +323,14 @@ fn last_inputs(x: &Tensor, state: &Tensor, dims: ConvDims) -> Result<Tensor> {
     new_state.contiguous()
 }
 
-/// [`super::causal_conv1d_backward`] on checked arguments: all three gradients.
+/// [`super::causal_conv1d_split_backward`] on checked arguments: all three gradients.
 pub(super) fn backward(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     state: &Tensor,
     (silu, dims): (bool, ConvDims),
-    dy: &Tensor,
+    dy: &[Tensor],
 ) -> Result<Grads> {
     let conv = RecordedConv {
         state: state.detach(),
@@ -327,6 +342,9 @@ pub(super) fn backward(
         weight.detach().contiguous()?,
     );
     let bias = bias.map(|b| b.detach().contiguous()).transpose()?;
-    let dy = dy.detach().contiguous()?;
+    let dy = dy
+        .iter()
+        .map(|t| t.detach().contiguous())
+        .collect::<Result<Vec<_>>>()?;
     conv.grads(&x, &w, bias.as_ref(), &dy, (true, true, bias.is_some()))
 }

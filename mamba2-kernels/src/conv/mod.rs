@@ -401,15 +401,39 @@ pub fn causal_conv1d_backward(
     opts: &ConvOptions,
     dy: &Tensor,
 ) -> Result<ConvGrads> {
+    causal_conv1d_split_backward(x, weight, initial_state, opts, std::slice::from_ref(dy))
+}
+
+/// [`causal_conv1d_backward`] for the gradients of [`causal_conv1d_split`]'s pieces: `dy` holds
+/// 1 to 3 tensors `[B,L,D_k]` whose channel counts sum to D (the mixer's dx, dB and dC). On CUDA
+/// the kernel reads the pieces where they are, rather than a copy of them side by side.
+pub fn causal_conv1d_split_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    initial_state: Option<&Tensor>,
+    opts: &ConvOptions,
+    dy: &[Tensor],
+) -> Result<ConvGrads> {
     let op = "causal_conv1d_backward";
     let [batch, seqlen, dim] = check::rank::<3>(op, "x", x, "[B, L, D]")?;
     let width = check_params(op, x, weight, opts, dim)?;
     if batch == 0 || seqlen == 0 || dim == 0 {
         bail!("{op}: x has an empty dimension, shape {:?}", x.dims())
     }
-    check::device(op, "dy", dy, x)?;
-    check::shape(op, "dy", dy, x.dims(), "like x")?;
-    check::same_dtype(op, "dy", dy, x)?;
+    let mut split = Vec::with_capacity(dy.len());
+    for piece in dy {
+        check::device(op, "dy", piece, x)?;
+        check::same_dtype(op, "dy", piece, x)?;
+        let [b, l, d] = check::rank::<3>(op, "dy", piece, "[B, L, D_k]")?;
+        if (b, l) != (batch, seqlen) {
+            bail!(
+                "{op}: dy pieces must be [{batch}, {seqlen}, D_k] like x's rows, got {:?}",
+                piece.dims()
+            )
+        }
+        split.push(d);
+    }
+    check_split(op, &split, dim)?;
     let (state, dims) = initial_state_of(op, x, initial_state, [batch, seqlen, dim, width])?;
     match grad::backward(x, weight, opts.bias, &state, (opts.silu, dims), dy)? {
         (Some(x), Some(weight), bias) => Ok(ConvGrads { x, weight, bias }),

@@ -46,10 +46,57 @@ pub(super) fn span(batch: usize, seqlen: usize, dim: usize, sms: usize) -> usize
         .max(seqlen.div_ceil(MAX_SPANS))
 }
 
+/// Channels per thread (one load of `bytes`-byte values each) for a conv of `width` taps over
+/// `dim` channels, with rows `x_stride` elements apart and channel pieces `split` (x's, or y's
+/// and dy's): the most of `candidates` that keeps every load and store aligned, given the
+/// buffers' addresses `addrs`; 1 (the generic kernels) when none does or `width` > 4.
+pub(super) fn lanes(
+    candidates: &[usize],
+    bytes: usize,
+    width: usize,
+    (dim, split, x_stride): (usize, &[usize], usize),
+    addrs: &[u64],
+) -> usize {
+    if width > 4 {
+        return 1;
+    }
+    let fits = |n: usize| {
+        n * bytes <= 16
+            && dim % n == 0
+            && x_stride % n == 0
+            && split.iter().all(|s| s % n == 0)
+            && addrs.iter().all(|a| a % (n * bytes) as u64 == 0)
+    };
+    candidates
+        .iter()
+        .copied()
+        .filter(|&n| fits(n))
+        .max()
+        .unwrap_or(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::instances::{self, instances, VALUES};
+
+    #[test]
+    fn lanes_keep_every_access_aligned() {
+        let all = [2, 4, 8];
+        // The shipped mixer's xBC in bf16: a 1,680-wide row (in_proj's output, padded), pieces
+        // of 768, 64 and 64.
+        let split = [768, 64, 64];
+        assert_eq!(lanes(&all, 2, 4, (896, &split, 1680), &[1536, 0, 256]), 8);
+        // The unpadded 1,676-wide row: 8 bytes a load at most.
+        assert_eq!(lanes(&all, 2, 4, (896, &split, 1676), &[1536, 0, 256]), 4);
+        // f32: 16 bytes are 4 channels.
+        assert_eq!(lanes(&all, 4, 4, (896, &split, 1680), &[0]), 4);
+        // An odd piece, an odd address, a wide kernel: one channel.
+        assert_eq!(lanes(&all, 2, 4, (896, &[767, 65, 64], 1680), &[0]), 1);
+        assert_eq!(lanes(&all, 2, 4, (896, &split, 1680), &[2]), 1);
+        assert_eq!(lanes(&all, 2, 5, (896, &split, 1680), &[0]), 1);
+        assert_eq!(lanes(&[2, 4], 2, 4, (896, &split, 1680), &[0]), 4);
+    }
 
     #[test]
     fn widths_pick_their_register_windows() {

@@ -16,6 +16,12 @@
 //! row (a read that hits L2); the targets are checked there rather than read back to the host
 //! (which would wait for the forward queued before): a target out of range makes the loss NaN
 //! instead of an error. f64 logits on CUDA, and other devices, use candle's ops.
+//!
+//! [`linear_cross_entropy`] takes the rows before the output layer and its weight, `logits =
+//! hidden · weightᵀ`. On CUDA it is one recorded op on `(hidden, weight)` that keeps the logits
+//! and, in its backward, makes their gradient and multiplies it out: candle's backward would
+//! otherwise add the `[R,V]` gradient into a zeroed buffer of its own, two more passes over the
+//! step's largest tensor.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -184,6 +190,71 @@ impl CustomOp3 for DLogits {
     }
 }
 
+/// Each row's NLL `[R]` (f32) of `hidden · weightᵀ` against the held targets, recorded on
+/// `(hidden [R, d], weight [V, d])`: the logits are the op's own, kept for the backward.
+#[derive(Debug)]
+struct LinearNllRows {
+    logits: Tensor,
+    targets: Tensor,
+}
+
+impl CustomOp2 for LinearNllRows {
+    fn name(&self) -> &'static str {
+        "linear_cross_entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("linear_cross_entropy: the recorded op runs on CUDA; the CPU composes the product and cross_entropy")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _h_s: &candle_core::CudaStorage,
+        _h_l: &Layout,
+        _w_s: &candle_core::CudaStorage,
+        _w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (x_s, x_l) = self.logits.storage_and_layout();
+        let (t_s, t_l) = self.targets.storage_and_layout();
+        match (&*x_s, &*t_s) {
+            (candle_core::Storage::Cuda(x), candle_core::Storage::Cuda(t)) => {
+                let nll = cuda::nll_rows((x, x_l), (t, t_l))?;
+                Ok((nll, Shape::from(x_l.dims()[0])))
+            }
+            _ => bail!("linear_cross_entropy: the logits and targets are not on CUDA"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        _nll: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.to_dtype(DType::F32)?.contiguous()?;
+        let d = self
+            .logits
+            .apply_op3_no_bwd(&self.targets, &grad, &DLogits)?;
+        let dh = hidden
+            .track_op()
+            .then(|| d.matmul(&weight.detach()))
+            .transpose()?;
+        let dw = weight
+            .track_op()
+            .then(|| d.t()?.matmul(&hidden.detach()))
+            .transpose()?;
+        Ok((dh, dw))
+    }
+}
+
 /// The mean cross-entropy of `logits [R, V]` (f32, f16, bf16 or f64) against `targets [R]` (u8,
 /// u32 or i64 ids below V): a scalar, f32 (f64 for f64 logits), differentiable in the logits.
 /// A target outside `0..V` is an error on the CPU and makes the loss NaN on other devices.
@@ -250,6 +321,61 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     } else {
         logits.apply_op1_no_bwd(&op)
     }
+}
+
+/// [`cross_entropy`] of the logits `hidden · weightᵀ`, for `hidden [R, d]` and an output
+/// layer's `weight [V, d]` (same dtype and device) against `targets [R]`: differentiable in both.
+/// On CUDA (f32, f16, bf16) one recorded op whose backward makes the logits' gradient itself (the
+/// module doc); elsewhere the product and [`cross_entropy`].
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use mamba2_kernels::{cross_entropy, linear_cross_entropy};
+///
+/// let dev = Device::Cpu;
+/// let hidden = Tensor::new(&[[1f32, 0.5], [-1.0, 2.0]], &dev)?;
+/// let weight = Tensor::new(&[[0.5f32, 1.0], [2.0, -1.0], [0.0, 0.25]], &dev)?;
+/// let targets = Tensor::new(&[2u32, 0], &dev)?;
+/// let fused = linear_cross_entropy(&hidden, &weight, &targets)?.to_scalar::<f32>()?;
+/// let logits = hidden.matmul(&weight.t()?)?;
+/// let plain = cross_entropy(&logits, &targets)?.to_scalar::<f32>()?;
+/// assert!((fused - plain).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn linear_cross_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let op = "linear_cross_entropy";
+    let [rows, dim] = check::rank::<2>(op, "hidden", hidden, "[R, d]")?;
+    let [_, wdim] = check::rank::<2>(op, "weight", weight, "[V, d]")?;
+    check::float(op, "hidden", hidden)?;
+    check::device(op, "weight", weight, hidden)?;
+    check::dtype(op, "weight", weight, hidden.dtype())?;
+    check::device(op, "targets", targets, hidden)?;
+    check::shape(op, "targets", targets, &[rows], "[R]")?;
+    if wdim != dim {
+        bail!(
+            "{op}: weight must be [V, {dim}] for hidden [{rows}, {dim}], got {:?}",
+            weight.dims()
+        )
+    }
+    let tracked = hidden.track_op() || weight.track_op();
+    if !(tracked && hidden.device().is_cuda() && !wide(hidden.dtype())) {
+        return cross_entropy(&hidden.matmul(&weight.t()?)?, targets);
+    }
+    if rows == 0 || weight.dim(0)? == 0 {
+        bail!(
+            "{op}: an empty dimension, hidden {:?} and weight {:?}",
+            hidden.dims(),
+            weight.dims()
+        )
+    }
+    let targets = match targets.dtype() {
+        DType::U8 => targets.to_dtype(DType::U32)?,
+        DType::U32 | DType::I64 => targets.contiguous()?,
+        dt => bail!("{op}: targets must be u8, u32 or i64 ids, got {dt:?}"),
+    };
+    let logits = hidden.detach().matmul(&weight.detach().t()?)?;
+    let nll = hidden.apply_op2(weight, LinearNllRows { logits, targets })?;
+    nll.mean_all()
 }
 
 /// The loss from candle's ops, for devices without the op: `mean(lse − picked)` in f32 (f64).

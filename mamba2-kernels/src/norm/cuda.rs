@@ -256,3 +256,99 @@ pub(super) fn rms_norm_bwd(
         programs,
     })
 }
+
+/// The add norm's backward along the residual stream: the carried gradient plus d sum, in f32
+/// (`dx` of the result) and, when asked, rounded to dy's dtype (`dz` of the result), with the
+/// partial sums of dweight.
+pub(super) fn add_norm_bwd(
+    (s_s, s_l): Input,
+    (w_s, w_l): Input,
+    (dy_s, dy_l): Input,
+    carried: Option<Input>,
+    rounded: bool,
+    eps: f32,
+) -> Result<NormGrads> {
+    let op = "add_rms_norm backward";
+    let dtype = dy_s.dtype();
+    if w_s.dtype() != dtype {
+        bail!("{op}: weight is {:?}, dy is {dtype:?}", w_s.dtype())
+    }
+    for (name, s) in [
+        ("sum", Some(s_s)),
+        ("carried gradient", carried.map(|c| c.0)),
+    ] {
+        match s {
+            Some(s) if s.dtype() != DType::F32 => bail!("{op}: {name} is {:?}, not f32", s.dtype()),
+            _ => {}
+        }
+    }
+    let dim = w_l.shape().elem_count();
+    let len = s_l.shape().elem_count();
+    let same = dy_l.shape().elem_count() == len
+        && carried.is_none_or(|(_, l)| l.shape().elem_count() == len);
+    if dim == 0 || len % dim != 0 || !same {
+        bail!(
+            "{op}: the sum {:?}, dy {:?} and the carried gradient must be rows of the weight's {dim} values",
+            s_l.dims(),
+            dy_l.dims()
+        )
+    }
+    let rows = len / dim;
+    let dev = &s_s.device;
+    let stream = dev.cuda_stream();
+    let (threads, kind) = bwd_row_program(dim);
+    let programs = bwd_programs(rows, 1, threads, sm_count(&stream)?);
+    let mut g_out = alloc(dev, DType::F32, len)?;
+    let mut h = rounded.then(|| alloc(dev, dtype, len)).transpose()?;
+    let mut parts = alloc(dev, DType::F32, programs * dim)?;
+    let (s_p, _g1) = ptr(op, "sum", s_s, s_l, &stream)?;
+    let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
+    let (dy_p, _g3) = ptr(op, "output gradient", dy_s, dy_l, &stream)?;
+    let (c_p, _g4) = match carried {
+        Some((c_s, c_l)) => {
+            let (p, g) = ptr(op, "carried gradient", c_s, c_l, &stream)?;
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
+    let out = Layout::contiguous(len);
+    let g_p = ptr(op, "gradient", &g_out, &out, &stream)?.0;
+    let h_p = match &h {
+        Some(s) => ptr(op, "rounded gradient", s, &out, &stream)?.0,
+        None => 0,
+    };
+    let parts_p = ptr(
+        op,
+        "partial sums",
+        &parts,
+        &Layout::contiguous(programs * dim),
+        &stream,
+    )?
+    .0;
+    let params = NormBwdParams {
+        z_stride: 0,
+        rows: rows as i64,
+        dim: i(dim)?,
+        group: i(dim)?,
+        eps,
+    };
+    let kernel = instances::add_norm_bwd(ty(op, dtype)?, instances::Ty::F32, kind);
+    let f = function(&stream, IMAGE, &kernel)?;
+    launch(
+        &stream,
+        &f,
+        cfg(op, &stream, [programs, 1, 1], [threads, 1, 1], 0)?,
+        &[&s_p, &w_p, &dy_p, &c_p, &g_p, &h_p, &parts_p, &params],
+    )?;
+    written(&mut g_out, &stream)?;
+    if let Some(s) = h.as_mut() {
+        written(s, &stream)?;
+    }
+    written(&mut parts, &stream)?;
+    Ok(NormGrads {
+        dx: g_out,
+        dz: h,
+        parts,
+        programs,
+    })
+}

@@ -456,6 +456,123 @@ fn recorded_add_rms_norm(
     Ok((y, new_residual))
 }
 
+/// `(d sum, d weight)` of `y = rms_norm(sum)·weight` for `dy`, with `sum` already in the compute
+/// dtype (f32, or f64 for f64 inputs): both gradients in that dtype.
+fn sum_backward(sum: &Tensor, w: &Tensor, eps: f32, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let compute = sum.dtype();
+    let (wc, dyc) = (w.to_dtype(compute)?, dy.to_dtype(compute)?.contiguous()?);
+    #[cfg(feature = "cuda")]
+    if sum.device().is_cuda() {
+        let dim = w.elem_count();
+        return match cuda_grads(sum, None, &wc, &dyc, (dim, eps), (true, false, true))? {
+            (Some(ds), _, Some(dw)) => Ok((ds, dw)),
+            _ => bail!("add_rms_norm: the backward kernel returned no gradient"),
+        };
+    }
+    fn on_host<T: Real>(
+        (s, w, dy): (&Tensor, &Tensor, &Tensor),
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let op = "add_rms_norm";
+        let (sv, wv) = (host::<T>(op, "x", s)?, host::<T>(op, "weight", w)?);
+        let dyv = host::<T>(op, "output gradient", dy)?;
+        let (ds, dw) = cpu::rms_norm_backward(&sv, &wv, &dyv, wv.len(), T::of(eps));
+        Ok((values_like(ds, s)?, values_like(dw, w)?))
+    }
+    let args = (sum, &wc, &dyc);
+    if wide(compute) {
+        on_host::<f64>(args, eps)
+    } else {
+        on_host::<f32>(args, eps)
+    }
+}
+
+/// The gradients of [`add_rms_norm_backward`].
+#[derive(Debug)]
+pub struct AddNormGrads {
+    /// The gradient of the new residual, `carried + d sum`: f32 (f64 for f64 inputs). It is the
+    /// gradient of x and of the residual alike.
+    pub residual: Tensor,
+    /// The same rounded to dy's dtype: the gradient of x (the previous block's output).
+    pub x: Tensor,
+    /// `[D]`, the weight's dtype.
+    pub weight: Tensor,
+}
+
+/// The backward of [`add_rms_norm`] without autograd, along the residual stream: for the output
+/// gradient `dy` of `y = rms_norm(sum)·weight`, where `sum [..., D]` is the new residual the
+/// forward returned (x + residual) and `weight [D]`, and the gradient `carried` (f32, like sum)
+/// that the new residual already receives from later blocks, if any: `carried + d sum` and d
+/// weight (see [`AddNormGrads`]), for callers that run their own backward pass (a fused stack of
+/// blocks'). On CUDA one kernel reads the sum, dy and the carried gradient once and writes both
+/// forms of the result.
+pub fn add_rms_norm_backward(
+    sum: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    dy: &Tensor,
+    carried: Option<&Tensor>,
+) -> Result<AddNormGrads> {
+    let op = "add_rms_norm_backward";
+    check::float(op, "sum", sum)?;
+    let dim = check::last_dim(op, "sum", sum)?;
+    check::device(op, "dy", dy, sum)?;
+    check::shape(op, "dy", dy, sum.dims(), "like sum")?;
+    check::float(op, "dy", dy)?;
+    check::device(op, "weight", weight, sum)?;
+    check::shape(op, "weight", weight, &[dim], "[D]")?;
+    check::float(op, "weight", weight)?;
+    check::eps(op, eps)?;
+    let compute = if wide(sum.dtype()) {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    if let Some(c) = carried {
+        check::device(op, "carried", c, sum)?;
+        check::shape(op, "carried", c, sum.dims(), "like sum")?;
+        check::dtype(op, "carried", c, compute)?;
+    }
+    let sum = sum.detach().to_dtype(compute)?.contiguous()?;
+    let (weight_dtype, dy) = (weight.dtype(), dy.detach());
+    #[cfg(feature = "cuda")]
+    if sum.device().is_cuda() && compute == DType::F32 && !wide(dy.dtype()) {
+        use crate::cuda::{tensor, Held};
+        let dy = dy.contiguous()?;
+        let w = weight.detach().to_dtype(dy.dtype())?.contiguous()?;
+        let carried = carried.map(|c| c.detach().contiguous()).transpose()?;
+        let [sh, wh, dyh] = [&sum, &w, &dy].map(Held::new);
+        let ch = carried.as_ref().map(Held::new);
+        let g = cuda::add_norm_bwd(
+            sh.arg(op, "sum")?,
+            wh.arg(op, "weight")?,
+            dyh.arg(op, "dy")?,
+            ch.as_ref().map(|h| h.arg(op, "carried")).transpose()?,
+            true,
+            eps as f32,
+        )?;
+        let Some(x) = g.dz else {
+            bail!("{op}: the backward kernel returned no rounded gradient")
+        };
+        let sums = tensor(g.parts, (g.programs, dim)).sum(0)?;
+        return Ok(AddNormGrads {
+            residual: tensor(g.dx, sum.shape()),
+            x: tensor(x, sum.shape()),
+            weight: sums.to_dtype(weight_dtype)?,
+        });
+    }
+    let (dsum, dw) = sum_backward(&sum, &weight.detach(), eps as f32, &dy)?;
+    let residual = match carried {
+        Some(c) => (c.detach() + dsum)?,
+        None => dsum,
+    };
+    Ok(AddNormGrads {
+        x: residual.to_dtype(dy.dtype())?,
+        residual,
+        weight: dw.to_dtype(weight_dtype)?,
+    })
+}
+
 /// y of the recorded add norm: the fused forward (leaving the new residual for
 /// [`NewResidual`]); its backward is the RMSNorm's on the sum `x + residual`.
 #[derive(Debug)]
@@ -484,41 +601,7 @@ impl RecordedAddNorm {
             (_, Some(r)) => (x.to_dtype(compute)? + r.to_dtype(compute)?)?,
             (_, None) => x.to_dtype(compute)?,
         };
-        let (wc, dyc) = (w.to_dtype(compute)?, dy.to_dtype(compute)?.contiguous()?);
-        let eps = self.norm.eps;
-        #[cfg(feature = "cuda")]
-        let on_cuda = x.device().is_cuda();
-        #[cfg(not(feature = "cuda"))]
-        let on_cuda = false;
-        let (dsum, dw) = if on_cuda {
-            #[cfg(feature = "cuda")]
-            {
-                let dim = w.elem_count();
-                match cuda_grads(&sum, None, &wc, &dyc, (dim, eps), (true, false, true))? {
-                    (Some(ds), _, Some(dw)) => (ds, dw),
-                    _ => bail!("add_rms_norm: the backward kernel returned no gradient"),
-                }
-            }
-            #[cfg(not(feature = "cuda"))]
-            unreachable!()
-        } else {
-            fn on_host<T: Real>(
-                (s, w, dy): (&Tensor, &Tensor, &Tensor),
-                eps: f32,
-            ) -> Result<(Tensor, Tensor)> {
-                let op = "add_rms_norm";
-                let (sv, wv) = (host::<T>(op, "x", s)?, host::<T>(op, "weight", w)?);
-                let dyv = host::<T>(op, "output gradient", dy)?;
-                let (ds, dw) = cpu::rms_norm_backward(&sv, &wv, &dyv, wv.len(), T::of(eps));
-                Ok((values_like(ds, s)?, values_like(dw, w)?))
-            }
-            let args = (&sum, &wc, &dyc);
-            if wide(x.dtype()) {
-                on_host::<f64>(args, eps)?
-            } else {
-                on_host::<f32>(args, eps)?
-            }
-        };
+        let (dsum, dw) = sum_backward(&sum, w, self.norm.eps, dy)?;
         let dx = x.track_op().then(|| dsum.to_dtype(x.dtype())).transpose()?;
         let dres = residual
             .filter(|r| r.track_op())
