@@ -21,6 +21,8 @@
 
 mod grad;
 
+pub(crate) use grad::{packed_params, packed_weights, storage_copy, MixerGrad};
+
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{

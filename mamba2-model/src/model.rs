@@ -18,11 +18,13 @@
 //! (on CUDA an out-of-range index is a device-side assert that ends every later CUDA call of the
 //! process; on the CPU candle embeds the largest id of each index type as zeros).
 
+mod grad;
+
 use std::path::Path;
 
 use candle_core::{bail, DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
-use mamba2_kernels::{add_rms_norm, cross_entropy, embedding};
+use mamba2_kernels::{add_rms_norm, cross_entropy, embedding, linear_cross_entropy};
 
 use crate::cache::Cache;
 use crate::checkpoint::{Checkpoint, ModelDir};
@@ -528,7 +530,19 @@ impl Model {
             &[_, l] if l > 0 => {}
             d => bail!("ids must have shape [B, L] with L >= 1, got {d:?}"),
         }
-        let mut h = self.embed(ids)?;
+        let h = self.embed(ids)?;
+        // On CUDA the blocks are one recorded op (`model/grad.rs`): recorded one by one, candle
+        // would add the residual stream's gradients into zeroed buffers, block by block.
+        if h.device().is_cuda() && (h.track_op() || self.norm_f.track_op()) {
+            return self.blocks_train_fused(&h);
+        }
+        self.blocks_train_composed(&h)
+    }
+
+    /// The final norm's output from the embedding's rows `h [B,L,d_model]`, each block recorded
+    /// on its own.
+    fn blocks_train_composed(&self, h: &Tensor) -> Result<Tensor> {
+        let mut h = h.clone();
         let mut residual = None;
         for block in &self.blocks {
             let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
@@ -572,15 +586,21 @@ impl Model {
             &[b, l] if l >= 2 => (b, l),
             d => bail!("the loss needs ids of shape [B, L] with L >= 2, got {d:?}"),
         };
-        // The loss reads the logits in the model's dtype and computes in f32: an f32 copy of the
-        // largest tensor of the step would cost a pass each way.
-        // The product on the hidden rows gives the logits' rows directly: a reshape of the
-        // logits would be one more node whose gradient, as large as they are, candle adds up.
         let h = self.hidden_train(&ids.narrow(1, 0, l - 1)?)?;
         let rows = h.reshape((b * (l - 1), self.config.d_model))?;
-        let logits = self.lm_head.forward(&rows)?;
         let targets = ids.narrow(1, 1, l - 1)?.to_dtype(DType::U32)?;
-        cross_entropy(&logits, &targets.flatten_all()?)
+        self.loss_of_rows(&rows, &targets.flatten_all()?)
+    }
+
+    /// The mean cross-entropy of the LM head's logits of the final hidden rows `[R, d]` against
+    /// `targets [R]`. The logits stay in the model's dtype (the loss computes in f32: an f32
+    /// copy of the step's largest tensor would cost a pass each way), and the head's product and
+    /// the loss are one op, so that candle never adds up the logits' gradient.
+    fn loss_of_rows(&self, rows: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        match self.lm_head.bias() {
+            None => linear_cross_entropy(rows, self.lm_head.weight(), targets),
+            Some(_) => cross_entropy(&self.lm_head.forward(rows)?, targets),
+        }
     }
 
     /// The mean next-token cross-entropy of documents of any lengths packed into one row (no
@@ -623,8 +643,10 @@ impl Model {
             h = block.mixer.forward_train_packed(&normed, &cu)?;
         }
         let (h, _) = self.norm(&h, residual.as_ref(), &self.norm_f)?;
-        let logits = self.lm_head.forward(&h.squeeze(0)?)?;
-        cross_entropy(&logits, &Tensor::new(targets.as_slice(), &self.device)?)
+        self.loss_of_rows(
+            &h.squeeze(0)?,
+            &Tensor::new(targets.as_slice(), &self.device)?,
+        )
     }
 
     /// `Σ −log p(ids[b,t] | ids[b,<t])` over t = 1..L−1 of every row of `ids [B, L]` (L ≥ 2),

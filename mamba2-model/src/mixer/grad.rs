@@ -16,26 +16,34 @@
 //! dyn = dout · W_out,  dW_out = doutᵀ · yn                     yn = gated_rms_norm(y, z)
 //! (dy, dz, dnorm.w) = gated_rms_norm_backward(y, z, dyn)
 //! (dx, dB, dC, ddt, dA, ddt_bias, dD) = ssd_backward(x, dt, A, B, C, dy)
-//! (dxBC_in, dconv.w, dconv.b) = causal_conv1d_backward(xBC_in, [dx | dB | dC])
+//! (dxBC_in, dconv.w, dconv.b) = causal_conv1d_split_backward(xBC_in, [dx, dB, dC])
 //! du = [dz | dxBC_in | ddt] · W_in,  dW_in = [dz | dxBC_in | ddt]ᵀ · u
 //! ```
 //!
 //! so that candle accumulates one gradient per argument: u's, and the packed weights', which it
 //! cuts back to each weight (`cat`'s backward).
+//!
+//! in_proj's weight is held with zero rows appended up to a multiple of [`ROW_ALIGN`], so that
+//! the rows of in_proj's output and of its gradient start 16-byte aligned: cuBLAS runs products on
+//! rows of any other width on its older, alignment-2 kernels, about 2.5× slower on the H200.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D};
 use candle_nn::Linear;
 use mamba2_kernels::{
-    causal_conv1d_backward, causal_conv1d_split, gated_rms_norm, gated_rms_norm_backward, ssd,
-    ssd_backward, ConvOptions, DtOptions, SsdOptions,
+    causal_conv1d_split, causal_conv1d_split_backward, gated_rms_norm, gated_rms_norm_backward,
+    ssd, ssd_backward, ConvOptions, DtOptions, SsdOptions,
 };
 
 use super::{rows_linear, Mixer};
 
+/// in_proj's output width is padded to a multiple of this many elements (16 bytes in bf16).
+const ROW_ALIGN: usize = 8;
+
 /// The mixer's weights, detached (the forward's and the backward's), and which optional ones
 /// exist.
 struct Weights {
+    /// in_proj's weight and bias with zero rows appended (the module doc).
     w_in: Tensor,
     b_in: Option<Tensor>,
     conv_w: Tensor,
@@ -50,7 +58,7 @@ struct Weights {
 
 /// What the forward keeps for the backward.
 struct Kept {
-    /// in_proj's output `[B,L,in_dim]`: z, xBC before the conv, raw dt.
+    /// in_proj's output `[B,L,in_dim + pad]`: z, xBC before the conv, raw dt, zero columns.
     zxbcdt: Tensor,
     /// The conv's output cut into x `[B,L,H,P]`, B and C `[B,L,G,N]`.
     x: Tensor,
@@ -61,8 +69,9 @@ struct Kept {
     yn: Tensor,
 }
 
-/// The recorded mixer on `(u, w, p)`.
-struct MixerGrad {
+/// The recorded mixer on `(u, w, p)`; also one block's part of the recorded blocks
+/// (`model/grad.rs`).
+pub(crate) struct MixerGrad {
     weights: Weights,
     kept: Kept,
     /// The forward's output, which the op returns as its own.
@@ -88,12 +97,21 @@ impl Mixer {
     /// [`Mixer::forward_train`] as one recorded op (the module doc): the same values, and the
     /// same gradients for `u` and every weight.
     pub(crate) fn forward_train_fused(&self, u: &Tensor) -> Result<Tensor> {
+        let op = self.fused_forward(u)?;
+        let packed = packed_weights(self)?;
+        let params = packed_params(self)?;
+        u.contiguous()?.apply_op3(&packed, &params, op)
+    }
+
+    /// The fused op's forward on `u` and the weights, detached: its output and all its backward
+    /// needs.
+    pub(crate) fn fused_forward(&self, u: &Tensor) -> Result<MixerGrad> {
         let (b, l, _) = u.dims3()?;
         let (di, h, p, gn) = self.sizes();
         let detached = |t: &Tensor| t.detach();
         let weights = Weights {
-            w_in: detached(self.in_proj.weight()),
-            b_in: self.in_proj.bias().map(detached),
+            w_in: padded_rows(self.in_proj.weight())?,
+            b_in: self.in_proj.bias().map(padded_rows).transpose()?,
             conv_w: detached(&self.conv_weight),
             conv_b: self.conv_bias.as_ref().map(detached),
             norm: detached(&self.norm),
@@ -122,7 +140,7 @@ impl Mixer {
         let y = y.reshape((b, l, di))?;
         let yn = gated_rms_norm(&y, &z, &w.norm, self.group_size, self.eps)?;
         let out = rows_linear(&Linear::new(w.w_out.clone(), w.b_out.clone()), &yn)?;
-        let op = MixerGrad {
+        Ok(MixerGrad {
             kept: Kept {
                 zxbcdt,
                 x,
@@ -138,11 +156,21 @@ impl Mixer {
             group_size: self.group_size,
             eps: self.eps,
             weights,
-        };
-        let packed = packed_weights(self)?;
-        let params = Tensor::cat(&[&self.a, &self.dt_bias, &self.d.flatten_all()?], 0)?;
-        u.contiguous()?.apply_op3(&packed, &params, op)
+        })
     }
+}
+
+/// `t [R, ..]` detached, with zero rows appended up to a multiple of [`ROW_ALIGN`] rows.
+fn padded_rows(t: &Tensor) -> Result<Tensor> {
+    let t = t.detach();
+    let rows = t.dim(0)?;
+    let pad = rows.next_multiple_of(ROW_ALIGN) - rows;
+    if pad == 0 {
+        return Ok(t);
+    }
+    let mut dims = t.dims().to_vec();
+    dims[0] = pad;
+    Tensor::cat(&[&t, &Tensor::zeros(dims, t.dtype(), t.device())?], 0)
 }
 
 /// The scan's options on the held weights: from zero states, f32 states.
@@ -162,7 +190,7 @@ fn scan_options(w: &Weights, chunk: usize, limit: (f32, f32)) -> SsdOptions<'_> 
 }
 
 /// The mixer's (recording) weights flattened into one tensor, in the module doc's order.
-fn packed_weights(m: &Mixer) -> Result<Tensor> {
+pub(crate) fn packed_weights(m: &Mixer) -> Result<Tensor> {
     let pieces = [
         Some(m.in_proj.weight()),
         m.in_proj.bias(),
@@ -180,20 +208,31 @@ fn packed_weights(m: &Mixer) -> Result<Tensor> {
     Tensor::cat(&flat, 0)
 }
 
+/// The mixer's f32 parameters `[A | dt_bias | D]` flattened into one tensor.
+pub(crate) fn packed_params(m: &Mixer) -> Result<Tensor> {
+    Tensor::cat(&[&m.a, &m.dt_bias, &m.d.flatten_all()?], 0)
+}
+
+/// A copy of `t`'s storage: a recorded op's result is a tensor of its own.
+pub(crate) fn storage_copy(t: &Tensor) -> Result<Storage> {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        Storage::Cpu(c) => Ok(Storage::Cpu(c.try_clone(l)?)),
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(c) => Ok(Storage::Cuda(c.try_clone(l)?)),
+        _ => bail!("the fused training forward runs on the CPU or CUDA"),
+    }
+}
+
 impl MixerGrad {
-    /// The output's storage, copied: the op's result is a tensor of its own.
-    fn output(&self) -> Result<Storage> {
-        let (s, l) = self.out.storage_and_layout();
-        match &*s {
-            Storage::Cpu(c) => Ok(Storage::Cpu(c.try_clone(l)?)),
-            #[cfg(feature = "cuda")]
-            Storage::Cuda(c) => Ok(Storage::Cuda(c.try_clone(l)?)),
-            _ => bail!("mixer: the training forward runs on the CPU or CUDA"),
-        }
+    /// The mixer's output.
+    pub(crate) fn out(&self) -> &Tensor {
+        &self.out
     }
 
-    /// `(du, dw, dp)` for the output gradient `dout` (the module doc).
-    fn grads(&self, u: &Tensor, dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// `(du, dw, dp)` for the output gradient `dout` (the module doc): du in u's dtype, dw
+    /// flat in the weights' order, dp flat f32.
+    pub(crate) fn grads(&self, u: &Tensor, dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (w, k) = (&self.weights, &self.kept);
         let (b, l, dm) = u.dims3()?;
         let (di, h, p, gn) = self.sizes;
@@ -223,25 +262,34 @@ impl MixerGrad {
             &dy.reshape((b, l, h, p))?,
             None,
         )?;
-        let dxbc = Tensor::cat(
-            &[
-                g.x.reshape((b, l, di))?.to_dtype(dtype)?,
-                g.b.reshape((b, l, gn))?.to_dtype(dtype)?,
-                g.c.reshape((b, l, gn))?.to_dtype(dtype)?,
-            ],
-            2,
-        )?;
+        let dxbc = [
+            g.x.reshape((b, l, di))?.to_dtype(dtype)?,
+            g.b.reshape((b, l, gn))?.to_dtype(dtype)?,
+            g.c.reshape((b, l, gn))?.to_dtype(dtype)?,
+        ];
         let xbc = k.zxbcdt.narrow(D::Minus1, di, di + 2 * gn)?;
         let conv_opts = ConvOptions {
             bias: w.conv_b.as_ref(),
             silu: true,
         };
-        let cg = causal_conv1d_backward(&xbc, &w.conv_w, None, &conv_opts, &dxbc)?;
-        let dproj = Tensor::cat(&[dz, cg.x, g.dt.to_dtype(dtype)?], 2)?
-            .reshape((rows, 2 * di + 2 * gn + h))?;
+        let cg = causal_conv1d_split_backward(&xbc, &w.conv_w, None, &conv_opts, &dxbc)?;
+        let in_dim = 2 * di + 2 * gn + h;
+        let width = w.w_in.dim(0)?;
+        let mut pieces = vec![dz, cg.x, g.dt.to_dtype(dtype)?];
+        if width > in_dim {
+            pieces.push(Tensor::zeros((b, l, width - in_dim), dtype, u.device())?);
+        }
+        let dproj = Tensor::cat(&pieces, 2)?.reshape((rows, width))?;
         let du = dproj.matmul(&w.w_in)?.reshape((b, l, dm))?;
-        let dw_in = dproj.t()?.matmul(&u.reshape((rows, dm))?)?;
-        let db_in = w.b_in.as_ref().map(|_| dproj.sum(0)).transpose()?;
+        let dw_in = dproj
+            .t()?
+            .matmul(&u.reshape((rows, dm))?)?
+            .narrow(0, 0, in_dim)?;
+        let db_in = w
+            .b_in
+            .as_ref()
+            .map(|_| dproj.sum(0)?.narrow(0, 0, in_dim))
+            .transpose()?;
         let pieces = [
             Some(dw_in),
             db_in,
@@ -284,7 +332,7 @@ impl CustomOp3 for MixerGrad {
         _p: &CpuStorage,
         _pl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        match self.output()? {
+        match storage_copy(&self.out)? {
             Storage::Cpu(s) => Ok((s, self.out.shape().clone())),
             _ => bail!("mixer: the forward's output is not on the CPU"),
         }
@@ -300,7 +348,7 @@ impl CustomOp3 for MixerGrad {
         _p: &candle_core::CudaStorage,
         _pl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        match self.output()? {
+        match storage_copy(&self.out)? {
             Storage::Cuda(s) => Ok((s, self.out.shape().clone())),
             _ => bail!("mixer: the forward's output is not on CUDA"),
         }
