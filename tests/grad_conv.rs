@@ -257,5 +257,34 @@ fn conv_split_backward_equals_the_whole_backward() -> Result<()> {
     let short = mamba2::kernels::causal_conv1d_split_backward(&x, &w, None, &opts, &pieces[..2]);
     let msg = short.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(msg.contains("summing to D = 10"), "{msg}");
+    // The `_into` form: dx in columns 3..13 of a wider buffer, the rest untouched.
+    let buffer = Tensor::ones((2, 9, 16), DType::F32, &dev)?;
+    let (dw, db) = mamba2::kernels::causal_conv1d_split_backward_into(
+        &x,
+        &w,
+        None,
+        &opts,
+        &pieces,
+        (&buffer, 3),
+    )?;
+    assert_eq!(
+        buffer.narrow(2, 3, 10)?.to_vec3::<f32>()?,
+        whole.x.to_vec3::<f32>()?
+    );
+    let rest = Tensor::cat(&[buffer.narrow(2, 0, 3)?, buffer.narrow(2, 13, 3)?], 2)?;
+    assert_eq!(rest.flatten_all()?.min(0)?.to_scalar::<f32>()?, 1.0);
+    assert_eq!(dw.to_vec2::<f32>()?, whole.weight.to_vec2::<f32>()?);
+    assert!(db.is_some());
+    let small = Tensor::ones((2, 9, 12), DType::F32, &dev)?;
+    let bad = mamba2::kernels::causal_conv1d_split_backward_into(
+        &x,
+        &w,
+        None,
+        &opts,
+        &pieces,
+        (&small, 3),
+    );
+    let msg = bad.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("dx_buffer"), "{msg}");
     Ok(())
 }

@@ -236,6 +236,24 @@ fn conv_split_backward_matches_cpu() -> Result<()> {
                 k::causal_conv1d_split_backward(&x, &w.to_device(dev)?, None, &opts, &dy)
             };
             let (want, got) = (run(&cpu)?, run(&dev)?);
+            // The `_into` form: dx in columns 768.. of in_proj's gradient, padded and not.
+            let buffer = Tensor::zeros((b, l, wide), dtype, &dev)?;
+            let x_gpu = x.to_device(&dev)?.narrow(2, off, d)?;
+            let dy_gpu = dy
+                .iter()
+                .map(|t| t.to_device(&dev))
+                .collect::<Result<Vec<_>>>()?;
+            let bias_gpu = bias.to_device(&dev)?;
+            let opts = k::ConvOptions {
+                bias: Some(&bias_gpu),
+                silu: true,
+            };
+            let w_gpu = w.to_device(&dev)?;
+            let into = (&buffer, off);
+            k::causal_conv1d_split_backward_into(&x_gpu, &w_gpu, None, &opts, &dy_gpu, into)?;
+            let placed = buffer.narrow(2, off, d)?.to_device(&cpu)?;
+            let e = rel_err(&placed, &want.x)?;
+            assert!(e <= tolerance(dtype), "row {wide} {dtype:?} dx into: {e:e}");
             let pairs = [
                 ("dx", got.x, want.x),
                 ("dweight", got.weight, want.weight),
@@ -491,6 +509,45 @@ fn norm_add_backward_along_the_residual_matches_cpu() -> Result<()> {
                     );
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// `gated_rms_norm_backward_into` on CUDA: dz written into a slice of a wider buffer (in_proj's
+/// gradient, 16- and 8-byte aligned rows) equals the CPU's dz.
+#[test]
+fn norm_gated_backward_into_a_wider_buffer_matches_cpu() -> Result<()> {
+    let dev = gpu();
+    let cpu = Device::Cpu;
+    for (n, wide) in [1680usize, 1676].into_iter().enumerate() {
+        let mut rng = Rng::new(800 + n as u64);
+        let (rows, dim) = (200, 768);
+        for dtype in DTYPES {
+            let x = rng.tensor(&[rows, dim], 1.0, &cpu)?.to_dtype(dtype)?;
+            let z = rng.tensor(&[rows, wide], 1.0, &cpu)?.to_dtype(dtype)?;
+            let w = rng.tensor_in(&[dim], 0.5, 1.5, &cpu)?.to_dtype(dtype)?;
+            let dy = rng.tensor(&[rows, dim], 1.0, &cpu)?.to_dtype(dtype)?;
+            let zc = z.narrow(1, 0, dim)?;
+            let (dx, dz, dw) = k::gated_rms_norm_backward(&x, &zc, &w, 64, 1e-5, &dy)?;
+            let buffer = Tensor::zeros((rows, wide), dtype, &dev)?;
+            let zg = z.to_device(&dev)?.narrow(1, 0, dim)?;
+            let (gx, gw) = k::gated_rms_norm_backward_into(
+                &x.to_device(&dev)?,
+                &zg,
+                &w.to_device(&dev)?,
+                (64, 1e-5),
+                &dy.to_device(&dev)?,
+                (&buffer, 0),
+            )?;
+            let placed = buffer.narrow(1, 0, dim)?;
+            let tol = tolerance(dtype);
+            for (name, g, want) in [("dx", &gx, &dx), ("dz", &placed, &dz), ("dw", &gw, &dw)] {
+                let e = rel_err(&g.to_device(&cpu)?, want)?;
+                assert!(e <= tol, "{wide} {dtype:?} {name}: {e:e}");
+            }
+            let rest = buffer.narrow(1, dim, wide - dim)?.abs()?.max_all()?;
+            assert_eq!(rest.to_dtype(DType::F32)?.to_scalar::<f32>()?, 0.0);
         }
     }
     Ok(())

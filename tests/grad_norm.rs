@@ -237,6 +237,31 @@ fn gated_norm_backward_without_autograd_equals_autograd() -> Result<()> {
     let bad = mamba2::kernels::gated_rms_norm_backward(&ins[0], &ins[1], &ins[2], 5, EPS, &lw);
     let msg = bad.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(msg.contains("group_size (5) must divide"), "{msg}");
+    // The `_into` form: dz in columns 2..14 of a wider buffer.
+    let buffer = Tensor::zeros((3, 5, 20), DType::F64, &Device::Cpu)?;
+    let (dx, dw) = mamba2::kernels::gated_rms_norm_backward_into(
+        &ins[0],
+        &ins[1],
+        &ins[2],
+        (group, EPS),
+        &lw,
+        (&buffer, 2),
+    )?;
+    assert!(
+        rel_err(&buffer.narrow(2, 2, 12)?, &want[1])? < 1e-12,
+        "dz into"
+    );
+    assert!(rel_err(&dx, &want[0])? < 1e-12 && rel_err(&dw, &want[2])? < 1e-12);
+    let bad = mamba2::kernels::gated_rms_norm_backward_into(
+        &ins[0],
+        &ins[1],
+        &ins[2],
+        (group, EPS),
+        &lw,
+        (&buffer, 9),
+    );
+    let msg = bad.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("dz_buffer"), "{msg}");
     Ok(())
 }
 

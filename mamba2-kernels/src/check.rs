@@ -372,6 +372,38 @@ pub fn cu_seqlens(op: &str, cu: &[usize], total: usize) -> Result<usize> {
     Ok(cu.len() - 1)
 }
 
+/// Checks a buffer that a backward writes a gradient like `like [.., D]` into, at columns
+/// `offset..offset + D` of its last dim: contiguous, on like's device, in its dtype, with its
+/// leading dims.
+pub(crate) fn into(
+    op: &str,
+    name: &str,
+    buffer: &Tensor,
+    like: &Tensor,
+    offset: usize,
+) -> Result<()> {
+    device(op, name, buffer, like)?;
+    same_dtype(op, name, buffer, like)?;
+    let (dims, want) = (buffer.dims(), like.dims());
+    let fits = dims.len() == want.len()
+        && dims
+            .split_last()
+            .map(|(w, lead)| (*w, lead))
+            .zip(want.split_last())
+            .is_some_and(|((w, lead), (d, want_lead))| {
+                lead == want_lead && offset.checked_add(*d).is_some_and(|e| e <= w)
+            });
+    if !fits {
+        bail!(
+            "{op}: {name} {dims:?} must hold a gradient {want:?} at columns {offset}.. of its last dim"
+        )
+    }
+    if !buffer.is_contiguous() {
+        bail!("{op}: {name} must be contiguous")
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::{DType, Device, Tensor};

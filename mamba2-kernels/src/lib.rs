@@ -58,8 +58,8 @@ mod ssd_step;
 pub use check::{cu_seqlens as check_cu_seqlens, MAX_CHUNK_SIZE, MAX_DIM};
 pub use conv::{
     causal_conv1d, causal_conv1d_backward, causal_conv1d_split, causal_conv1d_split_backward,
-    causal_conv1d_split_packed, causal_conv1d_step, causal_conv1d_step_split, ConvGrads,
-    ConvOptions,
+    causal_conv1d_split_backward_into, causal_conv1d_split_packed, causal_conv1d_step,
+    causal_conv1d_step_split, ConvGrads, ConvOptions,
 };
 #[cfg(feature = "cuda")]
 pub use cuda::set_poison;
@@ -68,7 +68,8 @@ pub use embedding::embedding;
 pub use loss::{cross_entropy, linear_cross_entropy};
 pub use matvec::matvec;
 pub use norm::{
-    add_rms_norm, add_rms_norm_backward, gated_rms_norm, gated_rms_norm_backward, AddNormGrads,
+    add_rms_norm, add_rms_norm_backward, gated_rms_norm, gated_rms_norm_backward,
+    gated_rms_norm_backward_into, AddNormGrads,
 };
 pub use ssd::{
     chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_backward, ssd_packed, ssd_xbc, SsdGrads,

@@ -7,7 +7,7 @@
 // contiguous pieces (x, B and C of the mixer): channel d < s0 goes to y0 [rows, s0], the next s1
 // to y1 [rows, s1], the rest to y2 [rows, D − s0 − s1].
 // The backward, with a the pre-activation (recomputed), dy [B,L,D] given whole or as the
-// forward's three pieces, and dx [B,L,D] contiguous:
+// forward's three pieces, and dx [B,L,D] with rows dx_stride apart:
 //   da = dy · act'(a)      dx[b,s,d] = Σ_k w[d,k] · da[b, s+K−1−k, d]   (positions < L)
 //   dw[d,k] = Σ_{b,t} da[b,t,d] · u[b, t−K+1+k, d]      dbias[d] = Σ_{b,t} da[b,t,d]
 // Each program leaves its sums of dw and dbias as one f32 row [K+1, D] (tap-major, then the
@@ -215,7 +215,7 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
   const T* dyc = piece(dy, static_cast<const T*>(p.dy1), static_cast<const T*>(p.dy2), p.s0, p.s1,
                        D, d, &dys);
   dyc += row0 * dys;
-  T* dxc = dx + row0 * D + d;
+  T* dxc = dx + row0 * p.dx_stride + d;
   float* pc = part + (static_cast<long>(b) * gridDim.y + blockIdx.y) * (K + 1) * D + d;
   const float bv = bias ? m2::to_f(bias[d]) : 0.f;
   const T* wd = w + static_cast<long>(d) * K;
@@ -269,7 +269,7 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
         }
         // With token t in, the window holds all of dx[t − K + 1]'s terms.
         const int so = t - K + 1;
-        if (so >= ts) dxc[static_cast<long>(so) * D] = m2::from_f<T>(s);
+        if (so >= ts) dxc[static_cast<long>(so) * p.dx_stride] = m2::from_f<T>(s);
       }
     }
 #pragma unroll
@@ -293,7 +293,7 @@ __device__ void conv_bwd(const T* __restrict__ x, const T* __restrict__ dy,
       for (int k = 0; k < K; ++k) pc[static_cast<long>(k) * D] += g * u_at(t - K + 1 + k);
       float s = 0.f;
       for (int k = 0; k < K; ++k) s += m2::to_f(wd[k]) * da_at(t + K - 1 - k);
-      dxc[static_cast<long>(t) * D] = m2::from_f<T>(s);
+      dxc[static_cast<long>(t) * p.dx_stride] = m2::from_f<T>(s);
     }
   }
   pc[static_cast<long>(K) * D] = db;
@@ -316,7 +316,7 @@ __device__ void conv_bwd_lanes(const T* __restrict__ x, const T* __restrict__ dy
   const T* dyc = piece(dy, static_cast<const T*>(p.dy1), static_cast<const T*>(p.dy2), p.s0, p.s1,
                        D, d0, &dys);
   dyc += row0 * dys;
-  T* dxc = dx + row0 * D + d0;
+  T* dxc = dx + row0 * p.dx_stride + d0;
   float* pc = part + (static_cast<long>(b) * gridDim.y + blockIdx.y) * (K + 1) * D + d0;
   const int lo = W - K;
   float wa[V][W], wb[V][W], u[V][W], da[V][W], gw[V][W], bv[V], db[V];
@@ -381,7 +381,7 @@ __device__ void conv_bwd_lanes(const T* __restrict__ x, const T* __restrict__ dy
         o.v[c] = m2::from_f<T>(s);
       }
       const int so = t - K + 1;
-      if (so >= ts) *reinterpret_cast<Lanes<T, V>*>(dxc + static_cast<long>(so) * D) = o;
+      if (so >= ts) *reinterpret_cast<Lanes<T, V>*>(dxc + static_cast<long>(so) * p.dx_stride) = o;
     }
   }
 #pragma unroll

@@ -30,10 +30,11 @@ M2_AT(ConvParams, dim, 48);
 M2_AT(ConvParams, width, 52);
 M2_AT(ConvParams, silu, 56);
 
-// The backward's: the token-row stride of x (elements; dx is contiguous), the output gradient's
+// The backward's: the token-row stride of x (elements), the output gradient's
 // pieces dy1 [rows, s1] and dy2 [rows, D − s0 − s1] beside dy0 [rows, s0] (the kernel's dy
 // argument; s0 = D and no others when dy is whole), the dimensions, the tokens of one program
-// (program y of batch b takes tokens [y·span, (y+1)·span) of it) and whether SiLU is applied.
+// (program y of batch b takes tokens [y·span, (y+1)·span) of it), whether SiLU is applied, and
+// the token-row stride of dx (D, or wider when dx lands in a slice of a wider tensor).
 struct ConvBwdParams {
   long x_stride;
   const void* dy1;
@@ -42,8 +43,9 @@ struct ConvBwdParams {
   int span;
   int silu;
   int s0, s1;
+  long dx_stride;
 };
-M2_SIZE(ConvBwdParams, 56);
+M2_SIZE(ConvBwdParams, 64);
 M2_AT(ConvBwdParams, x_stride, 0);
 M2_AT(ConvBwdParams, dy1, 8);
 M2_AT(ConvBwdParams, dy2, 16);
@@ -55,5 +57,6 @@ M2_AT(ConvBwdParams, span, 40);
 M2_AT(ConvBwdParams, silu, 44);
 M2_AT(ConvBwdParams, s0, 48);
 M2_AT(ConvBwdParams, s1, 52);
+M2_AT(ConvBwdParams, dx_stride, 56);
 
 }  // namespace m2

@@ -19,19 +19,22 @@ M2_AT(NormParams, dim, 8);
 M2_AT(NormParams, group, 12);
 M2_AT(NormParams, eps, 16);
 
-// The backward's: the row stride of z (the gated norm; x, dy and the outputs are contiguous),
-// the row count, the row length, the channels per normalised group (D for the plain norm), eps.
+// The backward's: the row stride of z (the gated norm; x, dy and dx are contiguous), the row
+// count, the row length, the channels per normalised group (D for the plain norm), eps, and the
+// row stride of dz (the gated norm; D, or wider when dz lands in a slice of a wider tensor).
 struct NormBwdParams {
   long z_stride;
   long rows;
   int dim, group;
   float eps;
+  long dz_stride;
 };
-M2_SIZE(NormBwdParams, 32);
+M2_SIZE(NormBwdParams, 40);
 M2_AT(NormBwdParams, z_stride, 0);
 M2_AT(NormBwdParams, rows, 8);
 M2_AT(NormBwdParams, dim, 16);
 M2_AT(NormBwdParams, group, 20);
 M2_AT(NormBwdParams, eps, 24);
+M2_AT(NormBwdParams, dz_stride, 32);
 
 }  // namespace m2

@@ -245,7 +245,7 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ z,
         const int i = threadIdx.x + j * blockDim.x;
         if (i < group)
           acc[j] += norm_grad<T, GATED>(xv[j], zv[j], dv[j], m2::to_f(wg[i]), r, c,
-                                        dx + row * D + g0, GATED ? dz + row * D + g0 : nullptr, i);
+                                        dx + row * D + g0, GATED ? dz + row * p.dz_stride + g0 : nullptr, i);
       }
     }
 #pragma unroll
@@ -271,7 +271,7 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ z,
       const float r = rsqrtf(s.x * inv + p.eps), c = r * r * r * s.y * inv;
       for (int i = threadIdx.x; i < group; i += blockDim.x)
         pr[i] += norm_grad<T, GATED>(m2::to_f(xr[i]), zv(i), m2::to_f(dyr[i]), m2::to_f(wg[i]), r,
-                                     c, dx + row * D + g0, GATED ? dz + row * D + g0 : nullptr, i);
+                                     c, dx + row * D + g0, GATED ? dz + row * p.dz_stride + g0 : nullptr, i);
     }
   }
 }

@@ -11,7 +11,7 @@ use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 use super::plan;
 use crate::check::ConvDims;
 use crate::cuda::{alloc, cfg, fatbin, function, i, launch, m2_layout, opt_ptr, ptr, rows_ptr};
-use crate::cuda::{sm_count, ty, written, Guards, Held, Image};
+use crate::cuda::{sm_count, ty, written, Dest, Guards, Held, Image};
 use crate::instances;
 
 const IMAGE: Image = fatbin!("conv_causal_conv1d");
@@ -44,7 +44,8 @@ m2_layout!(ConvParams, 64, {
 unsafe impl DeviceRepr for ConvParams {}
 
 /// `m2::ConvBwdParams` (`kernels/conv/params.cuh`): the token-row stride of x, dy's second and
-/// third pieces, the dimensions, the tokens per program, SiLU, the pieces' channel counts.
+/// third pieces, the dimensions, the tokens per program, SiLU, the pieces' channel counts, the
+/// token-row stride of dx.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct ConvBwdParams {
@@ -59,10 +60,11 @@ struct ConvBwdParams {
     silu: i32,
     s0: i32,
     s1: i32,
+    dx_stride: i64,
 }
-m2_layout!(ConvBwdParams, 56, {
+m2_layout!(ConvBwdParams, 64, {
     x_stride: 0, dy1: 8, dy2: 16, batch: 24, seqlen: 28, dim: 32, width: 36, span: 40,
-    silu: 44, s0: 48, s1: 52,
+    silu: 44, s0: 48, s1: 52, dx_stride: 56,
 });
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for ConvBwdParams {}
@@ -225,27 +227,27 @@ pub(super) fn causal_conv1d_step(
     Ok(ys)
 }
 
-/// The backward of the prefill conv: `dx [B·L, D]` contiguous, and the partial sums of the
-/// parameter gradients, one f32 row `[K+1, D]` per program (dweight tap-major, then dbias), with
-/// their row count.
+/// The backward of the prefill conv: `dx [B·L, D]` contiguous (unless written elsewhere), and
+/// the partial sums of the parameter gradients, one f32 row `[K+1, D]` per program (dweight
+/// tap-major, then dbias), with their row count.
 pub(super) struct ConvGrads {
-    pub dx: CudaStorage,
+    pub dx: Option<CudaStorage>,
     pub parts: CudaStorage,
     pub programs: usize,
 }
 
 /// The prefill conv's backward for the output gradient `dy`, given as 1 to 3 contiguous pieces
 /// `[B·L, split[k]]` cut by channels (the forward's output pieces), from the forward's x,
-/// weight, bias and initial state (see `kernels/conv/causal_conv1d.cu`).
+/// weight, bias and initial state (see `kernels/conv/causal_conv1d.cu`); dx goes to `dx_into`
+/// when given (the result's dx is then `None`).
 pub(super) fn causal_conv1d_bwd(
-    silu: bool,
-    d: ConvDims,
+    (silu, d): (bool, ConvDims),
     (x_s, x_l): Input,
     (w_s, w_l): Input,
     bias: Option<Input>,
     (st_s, st_l): Input,
-    dy: &[Input],
-    split: &[usize],
+    (dy, split): (&[Input], &[usize]),
+    dx_into: Option<Dest>,
 ) -> Result<ConvGrads> {
     let op = "causal_conv1d backward";
     let dtype = x_s.dtype();
@@ -279,9 +281,23 @@ pub(super) fn causal_conv1d_bwd(
     }
     let t = ty(op, dtype)?;
     let x_step = usize::try_from(x_stride).unwrap_or(1);
-    let mut addrs = vec![x_p];
+    let rows = d.batch * d.seqlen;
+    let mut dx = match dx_into {
+        Some(_) => None,
+        None => Some(alloc(dev, dtype, rows * d.dim)?),
+    };
+    let (dx_p, dx_stride) = match (&dx, dx_into) {
+        (_, Some((p, stride))) => (p, stride),
+        (Some(s), None) => {
+            let out = Layout::contiguous(rows * d.dim);
+            (ptr(op, "dx", s, &out, &stream)?.0, d.dim as i64)
+        }
+        (None, None) => bail!("{op}: no dx"),
+    };
+    let mut addrs = vec![x_p, dx_p];
     addrs.extend_from_slice(&dy_p[..dy.len()]);
-    let shape = (d.dim, split, x_step);
+    let steps = usize::try_from(dx_stride).map_or(1, |s| gcd(s, x_step));
+    let shape = (d.dim, split, steps);
     let lanes = plan::lanes(
         &instances::CONV_BWD_LANES,
         t.bytes(),
@@ -296,8 +312,6 @@ pub(super) fn causal_conv1d_bwd(
     i(d.seqlen + d.width + span)?;
     let spans = d.seqlen.div_ceil(span);
     let programs = d.batch * spans;
-    let rows = d.batch * d.seqlen;
-    let mut dx = alloc(dev, dtype, rows * d.dim)?;
     let parts_len = programs * (d.width + 1) * d.dim;
     let mut parts = alloc(dev, DType::F32, parts_len)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
@@ -309,7 +323,6 @@ pub(super) fn causal_conv1d_bwd(
         None => (0, None),
     };
     let (st_p, _g4) = ptr(op, "initial_state", st_s, st_l, &stream)?;
-    let dx_p = ptr(op, "dx", &dx, &Layout::contiguous(rows * d.dim), &stream)?.0;
     let parts_p = ptr(
         op,
         "partial sums",
@@ -330,6 +343,7 @@ pub(super) fn causal_conv1d_bwd(
         silu: silu as i32,
         s0: i(split[0])?,
         s1: i(split.get(1).copied().unwrap_or(0))?,
+        dx_stride,
     };
     let kernel = match lanes {
         1 => instances::causal_conv1d_bwd(t, plan::taps(d.width)),
@@ -346,11 +360,22 @@ pub(super) fn causal_conv1d_bwd(
         ],
     )?;
     drop(guards);
-    written(&mut dx, &stream)?;
+    if let Some(s) = dx.as_mut() {
+        written(s, &stream)?;
+    }
     written(&mut parts, &stream)?;
     Ok(ConvGrads {
         dx,
         parts,
         programs,
     })
+}
+
+/// The greatest common divisor: the alignment two row strides share.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }

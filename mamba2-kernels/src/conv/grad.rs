@@ -152,7 +152,20 @@ impl RecordedConv {
         dy: &[Tensor],
         want: Want,
     ) -> Result<Grads> {
-        use crate::cuda::{tensor, Held};
+        let g = self.cuda_launch(x, w, bias, dy, None)?;
+        self.cuda_finish(g, x, w, bias, want)
+    }
+
+    /// The backward's kernel, dx written to `dx_into` when given.
+    fn cuda_launch(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        dy: &[Tensor],
+        dx_into: Option<crate::cuda::Dest>,
+    ) -> Result<super::cuda::ConvGrads> {
+        use crate::cuda::Held;
         let dy = dy
             .iter()
             .map(|t| t.contiguous())
@@ -165,19 +178,31 @@ impl RecordedConv {
             .map(|h| h.arg(OP, "output gradient"))
             .collect::<Result<Vec<_>>>()?;
         let bh = bias.map(Held::new);
-        let g = super::cuda::causal_conv1d_bwd(
-            self.silu,
-            self.dims,
+        super::cuda::causal_conv1d_bwd(
+            (self.silu, self.dims),
             xh.arg(OP, "x")?,
             wh.arg(OP, "weight")?,
             bh.as_ref().map(|h| h.arg(OP, "bias")).transpose()?,
             sh.arg(OP, "initial_state")?,
-            &dy_args,
-            &split,
-        )?;
+            (&dy_args, &split),
+            dx_into,
+        )
+    }
+
+    /// The gradients from the kernel's outputs: dx (unless written elsewhere) and the sums of
+    /// the programs' rows for dweight and dbias.
+    fn cuda_finish(
+        &self,
+        g: super::cuda::ConvGrads,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        want: Want,
+    ) -> Result<Grads> {
+        use crate::cuda::tensor;
         let ConvDims { dim, width, .. } = self.dims;
         let sums = tensor(g.parts, (g.programs, (width + 1) * dim)).sum(0)?;
-        let dx = want.0.then(|| tensor(g.dx, x.shape()));
+        let dx = g.dx.filter(|_| want.0).map(|s| tensor(s, x.shape()));
         let dw = if want.1 {
             let taps = sums.narrow(0, 0, width * dim)?.reshape((width, dim))?;
             Some(taps.t()?.to_dtype(w.dtype())?.contiguous()?)
@@ -189,6 +214,47 @@ impl RecordedConv {
             None => None,
         };
         Ok((dx, dw, dbias))
+    }
+}
+
+/// The conv's CUDA backward, in place on the buffer that takes dx.
+#[cfg(feature = "cuda")]
+struct BackwardInto<'a> {
+    conv: &'a RecordedConv,
+    x: &'a Tensor,
+    w: &'a Tensor,
+    bias: Option<&'a Tensor>,
+    dy: &'a [Tensor],
+    offset: usize,
+    done: std::sync::Mutex<Option<super::cuda::ConvGrads>>,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::InplaceOp1 for BackwardInto<'_> {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        candle_core::bail!("{OP}: the in-place backward runs on CUDA")
+    }
+
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+        use crate::cuda::{ptr, written};
+        let stream = s.device.cuda_stream();
+        let width = l.dims().last().copied().unwrap_or(0);
+        let start = ptr(OP, "dx_buffer", s, l, &stream)?.0;
+        let at = start + (self.offset * s.dtype().size_in_bytes()) as u64;
+        let dest = Some((at, width as i64));
+        let g = self
+            .conv
+            .cuda_launch(self.x, self.w, self.bias, self.dy, dest)?;
+        written(s, &stream)?;
+        match self.done.lock() {
+            Ok(mut d) => *d = Some(g),
+            Err(_) => candle_core::bail!("{OP}: state poisoned"),
+        }
+        Ok(())
     }
 }
 
@@ -321,6 +387,58 @@ fn last_inputs(x: &Tensor, state: &Tensor, dims: ConvDims) -> Result<Tensor> {
         tail
     };
     new_state.contiguous()
+}
+
+/// [`super::causal_conv1d_split_backward_into`] on checked arguments: dx written into columns
+/// `offset..` of `buffer`; returns the weight's and the bias's gradients.
+pub(super) fn backward_into(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    state: &Tensor,
+    (silu, dims): (bool, ConvDims),
+    dy: &[Tensor],
+    (buffer, offset): (&Tensor, usize),
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let conv = RecordedConv {
+            state: state.detach(),
+            silu,
+            dims,
+        };
+        let (x, w) = (
+            check::rows_view(&x.detach())?,
+            weight.detach().contiguous()?,
+        );
+        let bias = bias.map(|b| b.detach().contiguous()).transpose()?;
+        let dy = dy
+            .iter()
+            .map(|t| t.detach().contiguous())
+            .collect::<Result<Vec<_>>>()?;
+        let into = BackwardInto {
+            conv: &conv,
+            x: &x,
+            w: &w,
+            bias: bias.as_ref(),
+            dy: &dy,
+            offset,
+            done: std::sync::Mutex::new(None),
+        };
+        buffer.inplace_op1(&into)?;
+        let Ok(Some(g)) = into.done.into_inner() else {
+            candle_core::bail!("{OP}: the backward kernel did not run")
+        };
+        let want = (false, true, bias.is_some());
+        let (_, dw, db) = conv.cuda_finish(g, &x, &w, bias.as_ref(), want)?;
+        return Ok((dw, db));
+    }
+    let (dx, dw, db) = backward(x, weight, bias, state, (silu, dims), dy)?;
+    match dx {
+        Some(dx) => buffer.slice_set(&dx, dx.rank() - 1, offset)?,
+        None => candle_core::bail!("{OP}: the backward returned no dx"),
+    }
+    Ok((dw, db))
 }
 
 /// [`super::causal_conv1d_split_backward`] on checked arguments: all three gradients.

@@ -415,6 +415,23 @@ pub fn causal_conv1d_split_backward(
     dy: &[Tensor],
 ) -> Result<ConvGrads> {
     let op = "causal_conv1d_backward";
+    let (state, dims) = split_backward_checked(op, x, weight, initial_state, opts, dy)?;
+    match grad::backward(x, weight, opts.bias, &state, (opts.silu, dims), dy)? {
+        (Some(x), Some(weight), bias) => Ok(ConvGrads { x, weight, bias }),
+        _ => bail!("{op}: the backward returned no gradient"),
+    }
+}
+
+/// The checks of the split backward's arguments: returns the initial state (zeros if none) and
+/// the conv's dimensions.
+fn split_backward_checked(
+    op: &str,
+    x: &Tensor,
+    weight: &Tensor,
+    initial_state: Option<&Tensor>,
+    opts: &ConvOptions,
+    dy: &[Tensor],
+) -> Result<(Tensor, ConvDims)> {
     let [batch, seqlen, dim] = check::rank::<3>(op, "x", x, "[B, L, D]")?;
     let width = check_params(op, x, weight, opts, dim)?;
     if batch == 0 || seqlen == 0 || dim == 0 {
@@ -434,9 +451,27 @@ pub fn causal_conv1d_split_backward(
         split.push(d);
     }
     check_split(op, &split, dim)?;
-    let (state, dims) = initial_state_of(op, x, initial_state, [batch, seqlen, dim, width])?;
-    match grad::backward(x, weight, opts.bias, &state, (opts.silu, dims), dy)? {
-        (Some(x), Some(weight), bias) => Ok(ConvGrads { x, weight, bias }),
+    initial_state_of(op, x, initial_state, [batch, seqlen, dim, width])
+}
+
+/// [`causal_conv1d_split_backward`] writing dx into columns `offset..offset + D` of `dx_buffer
+/// [B, L, W]` (contiguous, x's dtype) instead of a tensor of its own, as a fused layer's backward
+/// wants it beside other gradients (in_proj's `[dz | dxBC | ddt]`): returns the weight's and the
+/// bias's gradients. On CUDA the kernel writes there directly.
+pub fn causal_conv1d_split_backward_into(
+    x: &Tensor,
+    weight: &Tensor,
+    initial_state: Option<&Tensor>,
+    opts: &ConvOptions,
+    dy: &[Tensor],
+    (dx_buffer, offset): (&Tensor, usize),
+) -> Result<(Tensor, Option<Tensor>)> {
+    let op = "causal_conv1d_backward";
+    let (state, dims) = split_backward_checked(op, x, weight, initial_state, opts, dy)?;
+    check::into(op, "dx_buffer", dx_buffer, x, offset)?;
+    let into = (dx_buffer, offset);
+    match grad::backward_into(x, weight, opts.bias, &state, (opts.silu, dims), dy, into)? {
+        (Some(weight), bias) => Ok((weight, bias)),
         _ => bail!("{op}: the backward returned no gradient"),
     }
 }

@@ -292,6 +292,10 @@ pub(crate) fn rows_ptr<'a>(
 /// tensors are on the stream: a write from another stream then waits for those kernels.
 pub(crate) type Guards<'a> = Vec<SyncOnDrop<'a>>;
 
+/// Where a kernel writes an output into a buffer the caller holds mutably, instead of a tensor of
+/// its own: the address of its first element and its row stride (elements).
+pub(crate) type Dest = (u64, i64);
+
 /// Records that the kernels on `stream` so far write `s` (its write event, which a read from
 /// another stream waits for): called once they are launched.
 pub(crate) fn written(s: &mut CudaStorage, stream: &CudaStream) -> Result<()> {

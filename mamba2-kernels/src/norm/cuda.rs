@@ -11,7 +11,7 @@ use candle_core::{bail, CudaStorage, DType, Layout, Result, Tensor};
 
 use super::plan::{bwd_programs, bwd_row_program, row_program};
 use crate::cuda::{alloc, cfg, fatbin, function, i, launch, m2_layout, opt_ptr, ptr, rows_ptr};
-use crate::cuda::{sm_count, ty, written, Guards, Held, Image};
+use crate::cuda::{sm_count, ty, written, Dest, Guards, Held, Image};
 use crate::instances;
 
 const IMAGE: Image = fatbin!("norm_rms_norm");
@@ -31,7 +31,7 @@ m2_layout!(NormParams, 24, { z_stride: 0, dim: 8, group: 12, eps: 16 });
 unsafe impl DeviceRepr for NormParams {}
 
 /// `m2::NormBwdParams` (`kernels/norm/params.cuh`): z's row stride, the row count, the row
-/// length, the channels per normalised group, eps.
+/// length, the channels per normalised group, eps, the row stride of dz.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct NormBwdParams {
@@ -40,8 +40,11 @@ struct NormBwdParams {
     dim: i32,
     group: i32,
     eps: f32,
+    dz_stride: i64,
 }
-m2_layout!(NormBwdParams, 32, { z_stride: 0, rows: 8, dim: 16, group: 20, eps: 24 });
+m2_layout!(NormBwdParams, 40, {
+    z_stride: 0, rows: 8, dim: 16, group: 20, eps: 24, dz_stride: 32,
+});
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for NormBwdParams {}
 
@@ -152,14 +155,15 @@ pub(super) struct NormGrads {
 }
 
 /// The backward of the gated norm (`gate` its z) or of the plain RMSNorm of whole rows (`None`)
-/// for the output gradient `dy` (contiguous) from the forward's input and weight.
+/// for the output gradient `dy` (contiguous) from the forward's input and weight; dz goes to
+/// `dz_into` when given (the result's dz is then `None`).
 pub(super) fn rms_norm_bwd(
     (x_s, x_l): Input,
     gate: Option<Input>,
     (w_s, w_l): Input,
     (dy_s, dy_l): Input,
-    group: usize,
-    eps: f32,
+    (group, eps): (usize, f32),
+    dz_into: Option<Dest>,
 ) -> Result<NormGrads> {
     let op = if gate.is_some() {
         "gated_rms_norm backward"
@@ -192,7 +196,10 @@ pub(super) fn rms_norm_bwd(
     let groups = dim / group;
     let programs = bwd_programs(rows, groups, threads, sm_count(&stream)?);
     let mut dx = alloc(dev, dtype, len)?;
-    let mut dz = gate.map(|_| alloc(dev, dtype, len)).transpose()?;
+    let mut dz = match dz_into {
+        Some(_) => None,
+        None => gate.map(|_| alloc(dev, dtype, len)).transpose()?,
+    };
     let mut parts = alloc(dev, DType::F32, programs * dim)?;
     let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
@@ -206,9 +213,10 @@ pub(super) fn rms_norm_bwd(
     };
     let out = Layout::contiguous(len);
     let dx_p = ptr(op, "dx", &dx, &out, &stream)?.0;
-    let dz_p = match &dz {
-        Some(s) => ptr(op, "dz", s, &out, &stream)?.0,
-        None => 0,
+    let (dz_p, dz_stride) = match (&dz, dz_into) {
+        (_, Some((p, stride))) => (p, stride),
+        (Some(s), None) => (ptr(op, "dz", s, &out, &stream)?.0, dim as i64),
+        (None, None) => (0, dim as i64),
     };
     let parts_p = ptr(
         op,
@@ -224,6 +232,7 @@ pub(super) fn rms_norm_bwd(
         dim: i(dim)?,
         group: i(group)?,
         eps,
+        dz_stride,
     };
     let t = ty(op, dtype)?;
     let config = cfg(op, &stream, [programs, groups, 1], [threads, 1, 1], 0)?;
@@ -331,6 +340,7 @@ pub(super) fn add_norm_bwd(
         dim: i(dim)?,
         group: i(dim)?,
         eps,
+        dz_stride: dim as i64,
     };
     let kernel = instances::add_norm_bwd(ty(op, dtype)?, instances::Ty::F32, kind);
     let f = function(&stream, IMAGE, &kernel)?;

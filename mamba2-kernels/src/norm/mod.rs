@@ -172,8 +172,8 @@ fn cuda_grads(
         zh.as_ref().map(|h| h.arg(op, "z")).transpose()?,
         wh.arg(op, "weight")?,
         dyh.arg(op, "output gradient")?,
-        group,
-        eps,
+        (group, eps),
+        None,
     )?;
     let dim = w.elem_count();
     let dx = want.0.then(|| tensor(g.dx, x.shape()));
@@ -380,20 +380,7 @@ pub fn gated_rms_norm_backward(
     dy: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "gated_rms_norm_backward";
-    check::float(op, "x", x)?;
-    let dim = check::last_dim(op, "x", x)?;
-    for (name, t) in [("z", z), ("dy", dy)] {
-        check::device(op, name, t, x)?;
-        check::shape(op, name, t, x.dims(), "like x")?;
-        check::same_dtype(op, name, t, x)?;
-    }
-    check::device(op, "weight", weight, x)?;
-    check::shape(op, "weight", weight, &[dim], "[D]")?;
-    check::same_dtype(op, "weight", weight, x)?;
-    if group_size == 0 || dim % group_size != 0 {
-        bail!("{op}: group_size ({group_size}) must divide the channel count D ({dim})")
-    }
-    check::eps(op, eps)?;
+    check_gated_backward(op, (x, z, weight, dy), group_size, eps)?;
     let (x, z, w, dy) = (x.detach(), z.detach(), weight.detach(), dy.detach());
     // z may stay a slice of a wider tensor on CUDA, as in the forward (read in place).
     let (x, z, w) = (x.contiguous()?, check::rows_view(&z)?, w.contiguous()?);
@@ -484,6 +471,113 @@ fn sum_backward(sum: &Tensor, w: &Tensor, eps: f32, dy: &Tensor) -> Result<(Tens
         on_host::<f64>(args, eps)
     } else {
         on_host::<f32>(args, eps)
+    }
+}
+
+/// The checks of the gated norm's backwards without autograd: x, z, dy alike, weight `[D]`,
+/// the group dividing D.
+fn check_gated_backward(
+    op: &str,
+    (x, z, weight, dy): (&Tensor, &Tensor, &Tensor, &Tensor),
+    group_size: usize,
+    eps: f64,
+) -> Result<()> {
+    check::float(op, "x", x)?;
+    let dim = check::last_dim(op, "x", x)?;
+    for (name, t) in [("z", z), ("dy", dy)] {
+        check::device(op, name, t, x)?;
+        check::shape(op, name, t, x.dims(), "like x")?;
+        check::same_dtype(op, name, t, x)?;
+    }
+    check::device(op, "weight", weight, x)?;
+    check::shape(op, "weight", weight, &[dim], "[D]")?;
+    check::same_dtype(op, "weight", weight, x)?;
+    if group_size == 0 || dim % group_size != 0 {
+        bail!("{op}: group_size ({group_size}) must divide the channel count D ({dim})")
+    }
+    check::eps(op, eps)
+}
+
+/// [`gated_rms_norm_backward`] writing dz into columns `offset..offset + D` of `dz_buffer [..,
+/// W]` (contiguous, x's leading dims and dtype) instead of a tensor of its own, as a fused
+/// layer's backward wants it beside other gradients (in_proj's `[dz | dxBC | ddt]`): returns
+/// `(dx, dweight)`. On CUDA the kernel writes there directly.
+pub fn gated_rms_norm_backward_into(
+    x: &Tensor,
+    z: &Tensor,
+    weight: &Tensor,
+    (group_size, eps): (usize, f64),
+    dy: &Tensor,
+    (dz_buffer, offset): (&Tensor, usize),
+) -> Result<(Tensor, Tensor)> {
+    let op = "gated_rms_norm_backward";
+    check_gated_backward(op, (x, z, weight, dy), group_size, eps)?;
+    check::into(op, "dz_buffer", dz_buffer, x, offset)?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let (x, w) = (x.detach().contiguous()?, weight.detach().contiguous()?);
+        let (z, dy) = (check::rows_view(&z.detach())?, dy.detach().contiguous()?);
+        let into = GatedBwdInto {
+            args: [&x, &z, &w, &dy],
+            group: (group_size, eps as f32),
+            offset,
+            done: std::sync::Mutex::new(None),
+        };
+        dz_buffer.inplace_op1(&into)?;
+        let g = match into.done.into_inner() {
+            Ok(Some(g)) => g,
+            _ => bail!("{op}: the backward kernel did not run"),
+        };
+        use crate::cuda::tensor;
+        let sums = tensor(g.parts, (g.programs, w.elem_count())).sum(0)?;
+        return Ok((tensor(g.dx, x.shape()), sums.to_dtype(w.dtype())?));
+    }
+    let (dx, dz, dw) = gated_rms_norm_backward(x, z, weight, group_size, eps, dy)?;
+    dz_buffer.slice_set(&dz, dz.rank() - 1, offset)?;
+    Ok((dx, dw))
+}
+
+/// The gated norm's CUDA backward on `[x, z, weight, dy]`, in place on the buffer that takes dz.
+#[cfg(feature = "cuda")]
+struct GatedBwdInto<'a> {
+    args: [&'a Tensor; 4],
+    group: (usize, f32),
+    offset: usize,
+    done: std::sync::Mutex<Option<cuda::NormGrads>>,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::InplaceOp1 for GatedBwdInto<'_> {
+    fn name(&self) -> &'static str {
+        "gated_rms_norm_backward"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        bail!("gated_rms_norm_backward: the in-place backward runs on CUDA")
+    }
+
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+        use crate::cuda::{ptr, written, Held};
+        let op = self.name();
+        let stream = s.device.cuda_stream();
+        let width = l.dims().last().copied().unwrap_or(0);
+        let start = ptr(op, "dz_buffer", s, l, &stream)?.0;
+        let at = start + (self.offset * s.dtype().size_in_bytes()) as u64;
+        let [xh, zh, wh, dyh] = self.args.map(Held::new);
+        let g = cuda::rms_norm_bwd(
+            xh.arg(op, "x")?,
+            Some(zh.arg(op, "z")?),
+            wh.arg(op, "weight")?,
+            dyh.arg(op, "output gradient")?,
+            self.group,
+            Some((at, width as i64)),
+        )?;
+        written(s, &stream)?;
+        match self.done.lock() {
+            Ok(mut d) => *d = Some(g),
+            Err(_) => bail!("{op}: state poisoned"),
+        }
+        Ok(())
     }
 }
 

@@ -20,6 +20,9 @@
 //! du = [dz | dxBC_in | ddt] · W_in,  dW_in = [dz | dxBC_in | ddt]ᵀ · u
 //! ```
 //!
+//! (dz and dxBC_in are written in place into one `[dz | dxBC_in | ddt]` buffer, the `_into`
+//! forms of the backwards.)
+//!
 //! so that candle accumulates one gradient per argument: u's, and the packed weights', which it
 //! cuts back to each weight (`cat`'s backward).
 //!
@@ -31,8 +34,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D};
 use candle_nn::Linear;
 use mamba2_kernels::{
-    causal_conv1d_split, causal_conv1d_split_backward, gated_rms_norm, gated_rms_norm_backward,
-    ssd, ssd_backward, ConvOptions, DtOptions, SsdOptions,
+    causal_conv1d_split, causal_conv1d_split_backward_into, gated_rms_norm,
+    gated_rms_norm_backward_into, ssd, ssd_backward, ConvOptions, DtOptions, SsdOptions,
 };
 
 use super::{rows_linear, Mixer};
@@ -242,14 +245,18 @@ impl MixerGrad {
         let dyn_ = dout.matmul(&w.w_out)?;
         let dw_out = dout.t()?.matmul(&k.yn.reshape((rows, di))?)?;
         let db_out = w.b_out.as_ref().map(|_| dout.sum(0)).transpose()?;
+        // in_proj's output gradient [dz | dxBC_in | ddt | 0]: the norm's and the conv's
+        // backwards write their pieces into it in place.
+        let width = w.w_in.dim(0)?;
+        let dproj = Tensor::zeros((b, l, width), dtype, u.device())?;
         let z = k.zxbcdt.narrow(D::Minus1, 0, di)?;
-        let (dy, dz, dnorm) = gated_rms_norm_backward(
+        let (dy, dnorm) = gated_rms_norm_backward_into(
             &k.y,
             &z,
             &w.norm,
-            self.group_size,
-            self.eps,
+            (self.group_size, self.eps),
             &dyn_.reshape((b, l, di))?,
+            (&dproj, 0),
         )?;
         let dt = k.zxbcdt.narrow(D::Minus1, 2 * di + 2 * gn, h)?;
         let g = ssd_backward(
@@ -272,14 +279,17 @@ impl MixerGrad {
             bias: w.conv_b.as_ref(),
             silu: true,
         };
-        let cg = causal_conv1d_split_backward(&xbc, &w.conv_w, None, &conv_opts, &dxbc)?;
+        let (dconv_w, dconv_b) = causal_conv1d_split_backward_into(
+            &xbc,
+            &w.conv_w,
+            None,
+            &conv_opts,
+            &dxbc,
+            (&dproj, di),
+        )?;
         let in_dim = 2 * di + 2 * gn + h;
-        let width = w.w_in.dim(0)?;
-        let mut pieces = vec![dz, cg.x, g.dt.to_dtype(dtype)?];
-        if width > in_dim {
-            pieces.push(Tensor::zeros((b, l, width - in_dim), dtype, u.device())?);
-        }
-        let dproj = Tensor::cat(&pieces, 2)?.reshape((rows, width))?;
+        dproj.slice_set(&g.dt.to_dtype(dtype)?, 2, 2 * di + 2 * gn)?;
+        let dproj = dproj.reshape((rows, width))?;
         let du = dproj.matmul(&w.w_in)?.reshape((b, l, dm))?;
         let dw_in = dproj
             .t()?
@@ -293,8 +303,8 @@ impl MixerGrad {
         let pieces = [
             Some(dw_in),
             db_in,
-            Some(cg.weight),
-            w.conv_b.as_ref().and(cg.bias),
+            Some(dconv_w),
+            w.conv_b.as_ref().and(dconv_b),
             Some(dnorm),
             Some(dw_out),
             db_out,
