@@ -245,7 +245,7 @@ pub fn causal_conv1d_bwd(t: Ty, taps: ConvTaps) -> String {
 /// take 214 registers a thread, an eighth of the SM's threads).
 pub const CONV_LANES: [usize; 2] = [2, 4];
 /// The backward's (each channel holds five windows in registers).
-pub const CONV_BWD_LANES: [usize; 2] = [2, 4];
+pub const CONV_BWD_LANES: [usize; 1] = [2];
 
 /// Whether `lanes` channels of `t` make one load (at most 16 bytes).
 pub const fn conv_lanes_fit(t: Ty, lanes: usize) -> bool {

@@ -217,7 +217,10 @@ __device__ void rms_norm_bwd(const T* __restrict__ x, const T* __restrict__ z,
   const float inv = 1.f / group;
   float* pr = part + static_cast<long>(blockIdx.x) * D + g0;
   const T* wg = w + g0;
-  auto gate = [](float xv, float zv) { return GATED ? xv * m2::silu(zv) : xv; };
+  // x·silu(z) with the sigmoid as norm_grad takes it (a fast reciprocal, no division).
+  auto gate = [](float xv, float zv) {
+    return GATED ? xv * zv * __fdividef(1.f, 1.f + __expf(-zv)) : xv;
+  };
   if constexpr (V > 0) {
     float acc[V];
 #pragma unroll
