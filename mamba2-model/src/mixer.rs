@@ -21,7 +21,7 @@
 
 mod grad;
 
-pub(crate) use grad::{packed_params, packed_weights, storage_copy, MixerGrad};
+pub(crate) use grad::{packed_params, packed_weights, Fused, MixerGrad, Recorded};
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};

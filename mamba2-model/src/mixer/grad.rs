@@ -88,22 +88,12 @@ pub(crate) struct MixerGrad {
     eps: f64,
 }
 
-impl std::fmt::Debug for MixerGrad {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MixerGrad")
-            .field("sizes", &self.sizes)
-            .finish()
-    }
-}
-
 impl Mixer {
     /// [`Mixer::forward_train`] as one recorded op (the module doc): the same values, and the
     /// same gradients for `u` and every weight.
     pub(crate) fn forward_train_fused(&self, u: &Tensor) -> Result<Tensor> {
         let op = self.fused_forward(u)?;
-        let packed = packed_weights(self)?;
-        let params = packed_params(self)?;
-        u.contiguous()?.apply_op3(&packed, &params, op)
+        Recorded(op).apply(u, &packed_weights(self)?, &packed_params(self)?)
     }
 
     /// The fused op's forward on `u` and the weights, detached: its output and all its backward
@@ -216,26 +206,101 @@ pub(crate) fn packed_params(m: &Mixer) -> Result<Tensor> {
     Tensor::cat(&[&m.a, &m.dt_bias, &m.d.flatten_all()?], 0)
 }
 
-/// A copy of `t`'s storage: a recorded op's result is a tensor of its own.
-pub(crate) fn storage_copy(t: &Tensor) -> Result<Storage> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cpu(c) => Ok(Storage::Cpu(c.try_clone(l)?)),
-        #[cfg(feature = "cuda")]
-        Storage::Cuda(c) => Ok(Storage::Cuda(c.try_clone(l)?)),
-        _ => bail!("the fused training forward runs on the CPU or CUDA"),
+/// A training forward computed outside candle's graph (on detached tensors, keeping what its
+/// backward needs), recorded as one op on `(input, packed weights, packed f32 parameters)`.
+pub(crate) trait Fused: Send + Sync + 'static {
+    /// The op's name in candle's graph.
+    const NAME: &'static str;
+    /// The forward's output.
+    fn out(&self) -> &Tensor;
+    /// `(d input, d packed weights, d packed parameters)` for the output gradient `dout`.
+    fn grads(&self, input: &Tensor, dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)>;
+}
+
+/// A [`Fused`] forward as candle's op: its value is a copy of the forward's output (an op's
+/// result is a tensor of its own), its backward the fused one.
+pub(crate) struct Recorded<F>(pub F);
+
+impl<F: Fused> Recorded<F> {
+    /// The op on `input`, the packed weights `w` and the packed parameters `p`.
+    pub(crate) fn apply(self, input: &Tensor, w: &Tensor, p: &Tensor) -> Result<Tensor> {
+        input.contiguous()?.apply_op3(w, p, self)
+    }
+
+    fn output(&self) -> Result<Storage> {
+        let out = self.0.out();
+        let (s, l) = out.storage_and_layout();
+        match &*s {
+            Storage::Cpu(c) => Ok(Storage::Cpu(c.try_clone(l)?)),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Ok(Storage::Cuda(c.try_clone(l)?)),
+            _ => bail!(
+                "{}: the fused training forward runs on the CPU or CUDA",
+                F::NAME
+            ),
+        }
     }
 }
 
-impl MixerGrad {
-    /// The mixer's output.
-    pub(crate) fn out(&self) -> &Tensor {
+impl<F: Fused> CustomOp3 for Recorded<F> {
+    fn name(&self) -> &'static str {
+        F::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match self.output()? {
+            Storage::Cpu(s) => Ok((s, self.0.out().shape().clone())),
+            _ => bail!("{}: the forward's output is not on the CPU", F::NAME),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match self.output()? {
+            Storage::Cuda(s) => Ok((s, self.0.out().shape().clone())),
+            _ => bail!("{}: the forward's output is not on CUDA", F::NAME),
+        }
+    }
+
+    fn bwd(
+        &self,
+        input: &Tensor,
+        _w: &Tensor,
+        _p: &Tensor,
+        _out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (d_input, dw, dp) = self.0.grads(&input.detach(), &dout.detach())?;
+        Ok((Some(d_input), Some(dw), Some(dp)))
+    }
+}
+
+impl Fused for MixerGrad {
+    const NAME: &'static str = "mixer";
+
+    fn out(&self) -> &Tensor {
         &self.out
     }
 
     /// `(du, dw, dp)` for the output gradient `dout` (the module doc): du in u's dtype, dw
     /// flat in the weights' order, dp flat f32.
-    pub(crate) fn grads(&self, u: &Tensor, dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn grads(&self, u: &Tensor, dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (w, k) = (&self.weights, &self.kept);
         let (b, l, dm) = u.dims3()?;
         let (di, h, p, gn) = self.sizes;
@@ -325,55 +390,6 @@ impl MixerGrad {
             0,
         )?;
         Ok((du, dw, dp))
-    }
-}
-
-impl CustomOp3 for MixerGrad {
-    fn name(&self) -> &'static str {
-        "mixer"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _u: &CpuStorage,
-        _ul: &Layout,
-        _w: &CpuStorage,
-        _wl: &Layout,
-        _p: &CpuStorage,
-        _pl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        match storage_copy(&self.out)? {
-            Storage::Cpu(s) => Ok((s, self.out.shape().clone())),
-            _ => bail!("mixer: the forward's output is not on the CPU"),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _u: &candle_core::CudaStorage,
-        _ul: &Layout,
-        _w: &candle_core::CudaStorage,
-        _wl: &Layout,
-        _p: &candle_core::CudaStorage,
-        _pl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        match storage_copy(&self.out)? {
-            Storage::Cuda(s) => Ok((s, self.out.shape().clone())),
-            _ => bail!("mixer: the forward's output is not on CUDA"),
-        }
-    }
-
-    fn bwd(
-        &self,
-        u: &Tensor,
-        _w: &Tensor,
-        _p: &Tensor,
-        _out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (du, dw, dp) = self.grads(&u.detach(), &dout.detach())?;
-        Ok((Some(du), Some(dw), Some(dp)))
     }
 }
 

@@ -26,11 +26,11 @@
 //! so that candle accumulates one gradient per argument: h₀'s, and the packed weights', which it
 //! cuts back to each weight (`cat`'s backward).
 
-use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{Result, Tensor};
 use mamba2_kernels::{add_rms_norm, add_rms_norm_backward};
 
 use super::Model;
-use crate::mixer::{packed_params, packed_weights, storage_copy, MixerGrad};
+use crate::mixer::{packed_params, packed_weights, Fused, MixerGrad, Recorded};
 
 /// One block's part of the forward, kept for the backward.
 struct Kept {
@@ -51,14 +51,6 @@ struct BlocksGrad {
     /// The final norm's output, which the op returns as its own.
     out: Tensor,
     eps: f64,
-}
-
-impl std::fmt::Debug for BlocksGrad {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BlocksGrad")
-            .field("blocks", &self.blocks.len())
-            .finish()
-    }
 }
 
 impl Model {
@@ -97,12 +89,17 @@ impl Model {
             out,
             eps,
         };
-        let (w, p) = (Tensor::cat(&w, 0)?, Tensor::cat(&p, 0)?);
-        h0.contiguous()?.apply_op3(&w, &p, op)
+        Recorded(op).apply(h0, &Tensor::cat(&w, 0)?, &Tensor::cat(&p, 0)?)
     }
 }
 
-impl BlocksGrad {
+impl Fused for BlocksGrad {
+    const NAME: &'static str = "blocks";
+
+    fn out(&self) -> &Tensor {
+        &self.out
+    }
+
     /// `(dh₀, dw, dp)` for the output gradient `dout` (the module doc).
     fn grads(&self, h0: &Tensor, dout: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let last = add_rms_norm_backward(&self.sum_f, &self.norm_f, self.eps, dout, None)?;
@@ -124,55 +121,6 @@ impl BlocksGrad {
             Tensor::cat(&dw, 0)?,
             Tensor::cat(&dp, 0)?,
         ))
-    }
-}
-
-impl CustomOp3 for BlocksGrad {
-    fn name(&self) -> &'static str {
-        "blocks"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _h: &CpuStorage,
-        _hl: &Layout,
-        _w: &CpuStorage,
-        _wl: &Layout,
-        _p: &CpuStorage,
-        _pl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        match storage_copy(&self.out)? {
-            Storage::Cpu(s) => Ok((s, self.out.shape().clone())),
-            _ => bail!("blocks: the forward's output is not on the CPU"),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _h: &candle_core::CudaStorage,
-        _hl: &Layout,
-        _w: &candle_core::CudaStorage,
-        _wl: &Layout,
-        _p: &candle_core::CudaStorage,
-        _pl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        match storage_copy(&self.out)? {
-            Storage::Cuda(s) => Ok((s, self.out.shape().clone())),
-            _ => bail!("blocks: the forward's output is not on CUDA"),
-        }
-    }
-
-    fn bwd(
-        &self,
-        h0: &Tensor,
-        _w: &Tensor,
-        _p: &Tensor,
-        _out: &Tensor,
-        dout: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dh, dw, dp) = self.grads(&h0.detach(), &dout.detach())?;
-        Ok((Some(dh), Some(dw), Some(dp)))
     }
 }
 
@@ -232,15 +180,12 @@ mod tests {
         Ok((Model::new(&cfg, vb)?, varmap))
     }
 
+    /// A run's output and its named gradients.
+    type Run = (Tensor, Vec<(String, Tensor)>);
+
     /// The gradients of `Σ out·probe` for h₀ and every block and norm_f weight (by name), through
     /// the fused op or the blocks recorded one by one, and the output.
-    fn grads(
-        m: &Model,
-        varmap: &VarMap,
-        h0: &Tensor,
-        probe: &Tensor,
-        fused: bool,
-    ) -> Result<(Tensor, Vec<(String, Tensor)>)> {
+    fn grads(m: &Model, varmap: &VarMap, h0: &Tensor, probe: &Tensor, fused: bool) -> Result<Run> {
         let h0 = Var::from_tensor(&h0.to_dtype(m.dtype)?)?;
         let out = if fused {
             m.blocks_train_fused(&h0)?
@@ -270,6 +215,26 @@ mod tests {
         Ok((out.to_dtype(DType::F32)?, named))
     }
 
+    /// The outputs and gradients (as [`grads`]) of the fused op and of the blocks recorded one by
+    /// one, on the same model and inputs.
+    #[allow(clippy::type_complexity)]
+    fn both_paths(
+        dtype: DType,
+        residual_in_fp32: bool,
+    ) -> Result<(
+        (Tensor, Vec<(String, Tensor)>),
+        (Tensor, Vec<(String, Tensor)>),
+    )> {
+        let (m, varmap) = model(dtype, residual_in_fp32)?;
+        let dev = Device::Cpu;
+        let h0 = noise(&[2, 37, 24], 1.0, 100, &dev)?;
+        let probe = noise(&[2, 37, 24], 1.0, 101, &dev)?;
+        Ok((
+            grads(&m, &varmap, &h0, &probe, true)?,
+            grads(&m, &varmap, &h0, &probe, false)?,
+        ))
+    }
+
     /// `max |a − b| / max |b|`.
     fn rel(a: &Tensor, b: &Tensor) -> Result<f32> {
         let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
@@ -289,12 +254,7 @@ mod tests {
     /// In f32 the fused op against the blocks recorded one by one: the output and every gradient
     /// within `tol` of the largest value.
     fn check_f32(residual_in_fp32: bool, tol: f32) -> Result<()> {
-        let (m, varmap) = model(DType::F32, residual_in_fp32)?;
-        let dev = Device::Cpu;
-        let h0 = noise(&[2, 37, 24], 1.0, 100, &dev)?;
-        let probe = noise(&[2, 37, 24], 1.0, 101, &dev)?;
-        let (yf, gf) = grads(&m, &varmap, &h0, &probe, true)?;
-        let (yc, gc) = grads(&m, &varmap, &h0, &probe, false)?;
+        let ((yf, gf), (yc, gc)) = both_paths(DType::F32, residual_in_fp32)?;
         let diff = rel(&yf, &yc)?;
         assert!(diff < tol, "outputs differ by {diff}");
         for ((name, a), (_, b)) in gf.iter().zip(&gc) {
@@ -322,12 +282,7 @@ mod tests {
     /// gradients together within 4e-2 (relative, L2; 2.0e-2 seen), each within 0.15 (3.5e-2 seen).
     #[test]
     fn the_fused_op_in_bf16_has_the_composed_values_and_gradients() -> Result<()> {
-        let (m, varmap) = model(DType::BF16, true)?;
-        let dev = Device::Cpu;
-        let h0 = noise(&[2, 37, 24], 1.0, 100, &dev)?;
-        let probe = noise(&[2, 37, 24], 1.0, 101, &dev)?;
-        let (yf, gf) = grads(&m, &varmap, &h0, &probe, true)?;
-        let (yc, gc) = grads(&m, &varmap, &h0, &probe, false)?;
+        let ((yf, gf), (yc, gc)) = both_paths(DType::BF16, true)?;
         let diff = rel(&yf, &yc)?;
         assert!(diff < 2e-2, "outputs differ by {diff}");
         let flat = |g: &[(String, Tensor)]| -> Result<Tensor> {
