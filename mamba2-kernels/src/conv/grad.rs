@@ -220,11 +220,7 @@ impl RecordedConv {
 /// The conv's CUDA backward, in place on the buffer that takes dx.
 #[cfg(feature = "cuda")]
 struct BackwardInto<'a> {
-    conv: &'a RecordedConv,
-    x: &'a Tensor,
-    w: &'a Tensor,
-    bias: Option<&'a Tensor>,
-    dy: &'a [Tensor],
+    args: &'a Args,
     offset: usize,
     done: std::sync::Mutex<Option<super::cuda::ConvGrads>>,
 }
@@ -240,15 +236,13 @@ impl candle_core::InplaceOp1 for BackwardInto<'_> {
     }
 
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
-        use crate::cuda::{ptr, written};
+        use crate::cuda::{dest, written};
         let stream = s.device.cuda_stream();
-        let width = l.dims().last().copied().unwrap_or(0);
-        let start = ptr(OP, "dx_buffer", s, l, &stream)?.0;
-        let at = start + (self.offset * s.dtype().size_in_bytes()) as u64;
-        let dest = Some((at, width as i64));
-        let g = self
+        let at = dest(OP, "dx_buffer", (s, l), self.offset, &stream)?;
+        let a = self.args;
+        let g = a
             .conv
-            .cuda_launch(self.x, self.w, self.bias, self.dy, dest)?;
+            .cuda_launch(&a.x, &a.w, a.bias.as_ref(), &a.dy, Some(at))?;
         written(s, &stream)?;
         match self.done.lock() {
             Ok(mut d) => *d = Some(g),
@@ -402,26 +396,9 @@ pub(super) fn backward_into(
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        let conv = RecordedConv {
-            state: state.detach(),
-            silu,
-            dims,
-        };
-        let (x, w) = (
-            check::rows_view(&x.detach())?,
-            weight.detach().contiguous()?,
-        );
-        let bias = bias.map(|b| b.detach().contiguous()).transpose()?;
-        let dy = dy
-            .iter()
-            .map(|t| t.detach().contiguous())
-            .collect::<Result<Vec<_>>>()?;
+        let args = Args::new(x, weight, bias, state, (silu, dims), dy)?;
         let into = BackwardInto {
-            conv: &conv,
-            x: &x,
-            w: &w,
-            bias: bias.as_ref(),
-            dy: &dy,
+            args: &args,
             offset,
             done: std::sync::Mutex::new(None),
         };
@@ -429,8 +406,10 @@ pub(super) fn backward_into(
         let Ok(Some(g)) = into.done.into_inner() else {
             candle_core::bail!("{OP}: the backward kernel did not run")
         };
-        let want = (false, true, bias.is_some());
-        let (_, dw, db) = conv.cuda_finish(g, &x, &w, bias.as_ref(), want)?;
+        let a = &args;
+        let (_, dw, db) = a
+            .conv
+            .cuda_finish(g, &a.x, &a.w, a.bias.as_ref(), a.want(false))?;
         return Ok((dw, db));
     }
     let (dx, dw, db) = backward(x, weight, bias, state, (silu, dims), dy)?;
@@ -450,19 +429,48 @@ pub(super) fn backward(
     (silu, dims): (bool, ConvDims),
     dy: &[Tensor],
 ) -> Result<Grads> {
-    let conv = RecordedConv {
-        state: state.detach(),
-        silu,
-        dims,
-    };
-    let (x, w) = (
-        check::rows_view(&x.detach())?,
-        weight.detach().contiguous()?,
-    );
-    let bias = bias.map(|b| b.detach().contiguous()).transpose()?;
-    let dy = dy
-        .iter()
-        .map(|t| t.detach().contiguous())
-        .collect::<Result<Vec<_>>>()?;
-    conv.grads(&x, &w, bias.as_ref(), &dy, (true, true, bias.is_some()))
+    let a = Args::new(x, weight, bias, state, (silu, dims), dy)?;
+    a.conv
+        .grads(&a.x, &a.w, a.bias.as_ref(), &a.dy, a.want(true))
+}
+
+/// The backward's arguments, detached and laid out as the kernels read them: x's rows may stay a
+/// slice, the rest contiguous.
+struct Args {
+    conv: RecordedConv,
+    x: Tensor,
+    w: Tensor,
+    bias: Option<Tensor>,
+    dy: Vec<Tensor>,
+}
+
+impl Args {
+    fn new(
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        state: &Tensor,
+        (silu, dims): (bool, ConvDims),
+        dy: &[Tensor],
+    ) -> Result<Self> {
+        Ok(Self {
+            conv: RecordedConv {
+                state: state.detach(),
+                silu,
+                dims,
+            },
+            x: check::rows_view(&x.detach())?,
+            w: weight.detach().contiguous()?,
+            bias: bias.map(|b| b.detach().contiguous()).transpose()?,
+            dy: dy
+                .iter()
+                .map(|t| t.detach().contiguous())
+                .collect::<Result<Vec<_>>>()?,
+        })
+    }
+
+    /// The weight's and the bias's gradients, and dx when `dx`.
+    fn want(&self, dx: bool) -> Want {
+        (dx, true, self.bias.is_some())
+    }
 }

@@ -296,6 +296,23 @@ pub(crate) type Guards<'a> = Vec<SyncOnDrop<'a>>;
 /// its own: the address of its first element and its row stride (elements).
 pub(crate) type Dest = (u64, i64);
 
+/// The [`Dest`] of columns `offset..` of the contiguous `[.., W]` buffer `(s, l)`, held mutably
+/// by the caller (an in-place op's storage).
+pub(crate) fn dest(
+    op: &str,
+    name: &str,
+    (s, l): (&CudaStorage, &Layout),
+    offset: usize,
+    stream: &CudaStream,
+) -> Result<Dest> {
+    let width = l.dims().last().copied().unwrap_or(0);
+    let start = ptr(op, name, s, l, stream)?.0;
+    Ok((
+        start + (offset * s.dtype().size_in_bytes()) as u64,
+        width as i64,
+    ))
+}
+
 /// Records that the kernels on `stream` so far write `s` (its write event, which a read from
 /// another stream waits for): called once they are launched.
 pub(crate) fn written(s: &mut CudaStorage, stream: &CudaStream) -> Result<()> {

@@ -5,9 +5,11 @@
 //! one row of f32 partial sums of dweight per program. The gate z may be a slice of in_proj's
 //! output: its row stride is passed.
 
+use std::sync::Arc;
+
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
-use candle_core::{bail, CudaStorage, DType, Layout, Result, Tensor};
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 
 use super::plan::{bwd_programs, bwd_row_program, row_program};
 use crate::cuda::{alloc, cfg, fatbin, function, i, launch, m2_layout, opt_ptr, ptr, rows_ptr};
@@ -154,6 +156,40 @@ pub(super) struct NormGrads {
     pub programs: usize,
 }
 
+/// How a norm backward runs on `rows` rows of `dim` values in groups of `group`: threads per
+/// program, kernel variant, programs per group, and the f32 partial sums of dweight they leave,
+/// `[programs, dim]`, with its address.
+struct BwdPlan {
+    threads: usize,
+    kind: instances::RowKind,
+    programs: usize,
+    parts: CudaStorage,
+    parts_p: u64,
+}
+
+impl BwdPlan {
+    fn new(
+        op: &str,
+        dev: &CudaDevice,
+        stream: &Arc<CudaStream>,
+        (rows, dim): (usize, usize),
+        group: usize,
+    ) -> Result<Self> {
+        let (threads, kind) = bwd_row_program(group);
+        let programs = bwd_programs(rows, dim / group, threads, sm_count(stream)?);
+        let len = programs * dim;
+        let parts = alloc(dev, DType::F32, len)?;
+        let parts_p = ptr(op, "partial sums", &parts, &Layout::contiguous(len), stream)?.0;
+        Ok(Self {
+            threads,
+            kind,
+            programs,
+            parts,
+            parts_p,
+        })
+    }
+}
+
 /// The backward of the gated norm (`gate` its z) or of the plain RMSNorm of whole rows (`None`)
 /// for the output gradient `dy` (contiguous) from the forward's input and weight; dz goes to
 /// `dz_into` when given (the result's dz is then `None`).
@@ -192,15 +228,19 @@ pub(super) fn rms_norm_bwd(
     let rows = len / dim;
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
-    let (threads, kind) = bwd_row_program(group);
     let groups = dim / group;
-    let programs = bwd_programs(rows, groups, threads, sm_count(&stream)?);
+    let BwdPlan {
+        threads,
+        kind,
+        programs,
+        mut parts,
+        parts_p,
+    } = BwdPlan::new(op, dev, &stream, (rows, dim), group)?;
     let mut dx = alloc(dev, dtype, len)?;
     let mut dz = match dz_into {
         Some(_) => None,
         None => gate.map(|_| alloc(dev, dtype, len)).transpose()?,
     };
-    let mut parts = alloc(dev, DType::F32, programs * dim)?;
     let (x_p, _g1) = ptr(op, "x", x_s, x_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
     let (dy_p, _g3) = ptr(op, "output gradient", dy_s, dy_l, &stream)?;
@@ -218,14 +258,6 @@ pub(super) fn rms_norm_bwd(
         (Some(s), None) => (ptr(op, "dz", s, &out, &stream)?.0, dim as i64),
         (None, None) => (0, dim as i64),
     };
-    let parts_p = ptr(
-        op,
-        "partial sums",
-        &parts,
-        &Layout::contiguous(programs * dim),
-        &stream,
-    )?
-    .0;
     let params = NormBwdParams {
         z_stride,
         rows: rows as i64,
@@ -267,14 +299,13 @@ pub(super) fn rms_norm_bwd(
 }
 
 /// The add norm's backward along the residual stream: the carried gradient plus d sum, in f32
-/// (`dx` of the result) and, when asked, rounded to dy's dtype (`dz` of the result), with the
-/// partial sums of dweight.
+/// (`dx` of the result) and rounded to dy's dtype (`dz` of the result), with the partial sums of
+/// dweight.
 pub(super) fn add_norm_bwd(
     (s_s, s_l): Input,
     (w_s, w_l): Input,
     (dy_s, dy_l): Input,
     carried: Option<Input>,
-    rounded: bool,
     eps: f32,
 ) -> Result<NormGrads> {
     let op = "add_rms_norm backward";
@@ -305,11 +336,15 @@ pub(super) fn add_norm_bwd(
     let rows = len / dim;
     let dev = &s_s.device;
     let stream = dev.cuda_stream();
-    let (threads, kind) = bwd_row_program(dim);
-    let programs = bwd_programs(rows, 1, threads, sm_count(&stream)?);
+    let BwdPlan {
+        threads,
+        kind,
+        programs,
+        mut parts,
+        parts_p,
+    } = BwdPlan::new(op, dev, &stream, (rows, dim), dim)?;
     let mut g_out = alloc(dev, DType::F32, len)?;
-    let mut h = rounded.then(|| alloc(dev, dtype, len)).transpose()?;
-    let mut parts = alloc(dev, DType::F32, programs * dim)?;
+    let mut h = alloc(dev, dtype, len)?;
     let (s_p, _g1) = ptr(op, "sum", s_s, s_l, &stream)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
     let (dy_p, _g3) = ptr(op, "output gradient", dy_s, dy_l, &stream)?;
@@ -322,18 +357,7 @@ pub(super) fn add_norm_bwd(
     };
     let out = Layout::contiguous(len);
     let g_p = ptr(op, "gradient", &g_out, &out, &stream)?.0;
-    let h_p = match &h {
-        Some(s) => ptr(op, "rounded gradient", s, &out, &stream)?.0,
-        None => 0,
-    };
-    let parts_p = ptr(
-        op,
-        "partial sums",
-        &parts,
-        &Layout::contiguous(programs * dim),
-        &stream,
-    )?
-    .0;
+    let h_p = ptr(op, "rounded gradient", &h, &out, &stream)?.0;
     let params = NormBwdParams {
         z_stride: 0,
         rows: rows as i64,
@@ -351,13 +375,11 @@ pub(super) fn add_norm_bwd(
         &[&s_p, &w_p, &dy_p, &c_p, &g_p, &h_p, &parts_p, &params],
     )?;
     written(&mut g_out, &stream)?;
-    if let Some(s) = h.as_mut() {
-        written(s, &stream)?;
-    }
+    written(&mut h, &stream)?;
     written(&mut parts, &stream)?;
     Ok(NormGrads {
         dx: g_out,
-        dz: h,
+        dz: Some(h),
         parts,
         programs,
     })

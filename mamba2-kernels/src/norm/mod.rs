@@ -557,12 +557,10 @@ impl candle_core::InplaceOp1 for GatedBwdInto<'_> {
     }
 
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
-        use crate::cuda::{ptr, written, Held};
+        use crate::cuda::{dest, written, Held};
         let op = self.name();
         let stream = s.device.cuda_stream();
-        let width = l.dims().last().copied().unwrap_or(0);
-        let start = ptr(op, "dz_buffer", s, l, &stream)?.0;
-        let at = start + (self.offset * s.dtype().size_in_bytes()) as u64;
+        let at = dest(op, "dz_buffer", (s, l), self.offset, &stream)?;
         let [xh, zh, wh, dyh] = self.args.map(Held::new);
         let g = cuda::rms_norm_bwd(
             xh.arg(op, "x")?,
@@ -570,7 +568,7 @@ impl candle_core::InplaceOp1 for GatedBwdInto<'_> {
             wh.arg(op, "weight")?,
             dyh.arg(op, "output gradient")?,
             self.group,
-            Some((at, width as i64)),
+            Some(at),
         )?;
         written(s, &stream)?;
         match self.done.lock() {
@@ -642,7 +640,6 @@ pub fn add_rms_norm_backward(
             wh.arg(op, "weight")?,
             dyh.arg(op, "dy")?,
             ch.as_ref().map(|h| h.arg(op, "carried")).transpose()?,
-            true,
             eps as f32,
         )?;
         let Some(x) = g.dz else {
