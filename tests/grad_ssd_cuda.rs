@@ -3,8 +3,8 @@
 //! loss that reads y and the final state, in f32 (≤ 1e-4 of the largest gradient) and bf16
 //! (≤ 2e-2, the CPU run on the same bf16-rounded inputs in f32), on lengths that are not
 //! multiples of the chunk, L = 1, groups, D per head and per channel, z, the initial state and
-//! the dt options; outputs poisoned with NaN before every kernel; and a finite backward at
-//! L = 1,048,576.
+//! the dt options; outputs poisoned with NaN before every kernel; a finite backward at
+//! L = 1,048,576; and gradients for only the inputs that record them.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -437,6 +437,68 @@ fn ssd_backward_matches_autograd() -> Result<()> {
                     "{name} {dtype:?} last {with_last}: {err} of {scale}"
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// Only the inputs that record gradients get one, and those equal `ssd_backward`'s: x and C,
+/// then dt alone, then B alone recorded, the other inputs plain tensors.
+#[test]
+fn only_recording_inputs_get_gradients() -> Result<()> {
+    let dev = gpu();
+    let k = Case {
+        seqlen: 140,
+        ..BASE
+    };
+    let inp = Inputs::new(&k, 13, DType::F32)?;
+    let on = |t: &Tensor| t.to_device(&dev);
+    let plain = [on(&inp.x)?, on(&inp.dt)?, on(&inp.b)?, on(&inp.c)?];
+    let a = on(&inp.a_log)?.exp()?.neg()?;
+    let opts = SsdOptions {
+        chunk_size: k.chunk,
+        dt: DtOptions {
+            bias: None,
+            softplus: true,
+            limit: (0.0, f32::INFINITY),
+        },
+        ..Default::default()
+    };
+    let dy = on(&inp.wy)?;
+    let [x, dtv, b, c] = &plain;
+    let want = ssd_backward(x, dtv, &a, b, c, &opts, &dy, None)?;
+    let want = [&want.x, &want.dt, &want.b, &want.c];
+    let names = ["x", "dt", "B", "C"];
+    for recorded in [
+        [true, false, false, true],
+        [false, true, false, false],
+        [false, false, true, false],
+    ] {
+        let mut vars = Vec::new();
+        for (t, r) in plain.iter().zip(recorded) {
+            vars.push(r.then(|| Var::from_tensor(t)).transpose()?);
+        }
+        let inputs: Vec<Tensor> = vars
+            .iter()
+            .zip(&plain)
+            .map(|(v, t)| {
+                v.as_ref()
+                    .map_or_else(|| t.clone(), |v| v.as_tensor().clone())
+            })
+            .collect();
+        let (y, _) = ssd(&inputs[0], &inputs[1], &a, &inputs[2], &inputs[3], &opts)?;
+        let store = (y * &dy)?.sum_all()?.backward()?;
+        for ((name, v), w) in names.iter().zip(&vars).zip(want) {
+            let Some(v) = v else { continue };
+            let g = store
+                .get(v.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient for {name} ({recorded:?})"));
+            let scale = w.abs()?.max_all()?.to_scalar::<f32>()?;
+            let err = (g - w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                err <= 1e-5 * scale,
+                "{name}: off by {err:e} of {scale:e} ({recorded:?})"
+            );
         }
     }
     Ok(())

@@ -463,11 +463,11 @@ fn pool_high(dev: &Device, reset: bool) -> Result<u64> {
 fn backward(args: &Args, dev: &Device, ballast: &Tensor) -> Result<()> {
     use candle_core::Var;
     let (p, g, chunk) = (64, 1, 128);
-    println!("bench_ssd cuda --backward: P=64 G=1 chunk=128, x/B/C bf16, bf16 chunk states; µs = GPU time per forward + backward (events: median of {} runs; graph: per call in a replayed graph of {GRAPH_CALLS}); call = one synchronised host call; peak = the memory pool's high mark during one call above the inputs", args.gpu_reps);
+    println!("bench_ssd cuda --backward: P=64 G=1 chunk=128, x/B/C bf16, bf16 chunk states; µs = GPU time per forward + backward (events: median of {} runs; graph: per call in a replayed graph of {GRAPH_CALLS}); call = one synchronised host call; peak = the memory pool's high mark during one call above the inputs; direct = `ssd` + `ssd_backward` on a dy made before the call; autograd = `y.backward()` on `Var`s, y's gradient (ones) made by candle inside the call", args.gpu_reps);
     println!(
-        "| B, H, N, L | forward GPU | fwd+bwd GPU | fwd+bwd graph | fwd+bwd call | peak MiB |"
+        "| B, H, N, L | forward GPU | direct GPU | direct graph | direct peak MiB | autograd GPU | autograd graph | autograd call | autograd peak MiB |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let shapes = [
         (4, 8, 128, 4096),
         (4, 8, 128, 16384),

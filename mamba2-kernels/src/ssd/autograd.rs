@@ -14,10 +14,11 @@
 //! [`super::ssd`] cuts and converts to x's dtype and the state dtype. The packing and the cuts
 //! are candle's own `flatten`, `cat`, `narrow`, `reshape` and `to_dtype`, so the gradients reach
 //! the caller's tensors and every `Var` behind them (e.g. `A_log` through `a = −exp(A_log)`).
-//! On the CPU the backward is [`super::grad`]. On CUDA the same packed arguments feed two ops, y
-//! in x's dtype and the final state in the state dtype (z's gate is applied after them by candle
-//! ops), whose backward is the CUDA kernels' (`super::cuda::ssd_backward`). Inference never
-//! takes this path.
+//! On the CPU the backward is [`super::grad`]. On CUDA nothing is packed: two ops, y in x's dtype
+//! and the final state in the state dtype (z's gate is applied after them by candle ops), read
+//! the held inputs and take as arguments only what routes the gradients — xbc's rows and dt, or
+//! x and b, then one-element stand-ins for the other inputs two by two (see `Route`) — and their
+//! backward is the CUDA kernels' (`super::cuda::ssd_backward`). Inference never takes this path.
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -298,10 +299,9 @@ pub(super) fn ssd(
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        let values = Tensor::cat(&[x.flatten_all()?, b.flatten_all()?, c.flatten_all()?], 0)?;
         let held = |t: &Tensor| t.detach().contiguous();
         let parts = (held(x)?, held(b)?, held(c)?);
-        let (y, last) = on_cuda(&values, (dt, a), parts, opts, dims, false)?;
+        let (y, last) = on_cuda(Route::Split(x, b, c), (dt, a), parts, opts, dims)?;
         // The gate as candle ops, which differentiate it.
         let y = match opts.z {
             Some(z) => (y * z.silu()?)?,
@@ -338,7 +338,7 @@ pub(super) fn ssd_xbc(
         let x = cut(0, hp, (bl, l, dims.nheads, dims.headdim))?;
         let b = cut(hp, gn, (bl, l, dims.ngroups, dims.dstate))?;
         let c = cut(hp + gn, gn, (bl, l, dims.ngroups, dims.dstate))?;
-        return on_cuda(&xbc, (dt, a), (x, b, c), opts, dims, true);
+        return on_cuda(Route::Rows(&xbc), (dt, a), (x, b, c), opts, dims);
     }
     recorded(&xbc, (dt, a), opts, dims, true)
 }
@@ -402,22 +402,33 @@ fn packed_params(values: &Tensor, a: &Tensor, opts: &SsdOptions, h: usize) -> Re
     Tensor::cat(&params, 0)
 }
 
-/// The recorded SSD on CUDA: two ops on the packed `(values, dt, params)` of the CPU form, one
-/// returning y (x's dtype), the other the final state (the state dtype), each with its own
-/// backward — candle ops return one tensor, and a gradient reaching only one of them costs only
-/// its share. The forward (in the first op) reads the detached tensors both hold: x, b and c
-/// contiguous (cut from xbc's rows by the caller), the parameters; the packed arguments route
-/// the gradients.
+/// How the recorded SSD on CUDA reaches the caller's tensors. candle's custom ops take three
+/// tensors; the arguments only route the gradients, since the forward reads the held tensors, so
+/// every input is an argument as it is, never packed (a `cat` would copy it, and its gradient
+/// would be cut and added again): the op's first two, then the rest behind a chain of
+/// [`Handoff`]s.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy)]
+enum Route<'a> {
+    /// `(xbc, dt, …)`: the caller's `[x | B | C]` rows, its gradient one tensor in that layout.
+    Rows(&'a Tensor),
+    /// `(x, b, …)`, c and dt in the chain.
+    Split(&'a Tensor, &'a Tensor, &'a Tensor),
+}
+
+/// The recorded SSD on CUDA: two ops on the same inputs (see [`Route`]), one returning y (x's
+/// dtype), the other the final state (the state dtype), each with its own backward — candle ops
+/// return one tensor, and a gradient reaching only one of them costs only its share. The forward
+/// (in the first op) reads the detached tensors both hold: x, b and c contiguous (cut from xbc's
+/// rows by the caller), the parameters.
 #[cfg(feature = "cuda")]
 fn on_cuda(
-    values: &Tensor,
+    route: Route,
     (dt, a): (&Tensor, &Tensor),
     (x, b, c): (Tensor, Tensor, Tensor),
     opts: &SsdOptions,
     dims: SsdDims,
-    rows: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let params = packed_params(values, a, opts, dims.nheads)?;
     let held = Arc::new(CudaHeld {
         x,
         b,
@@ -441,13 +452,26 @@ fn on_cuda(
         dims,
         chunk: opts.chunk_size,
         state_dtype: opts.state_dtype,
-        rows,
         last: Slot::default(),
     });
-    let dt_arg = dt.contiguous()?;
-    let y = values.apply_op3(&dt_arg, &params, SsdCuda(held.clone(), CudaOut::Y))?;
-    let last = values.apply_op3(&dt_arg, &params, SsdCuda(held, CudaOut::Last))?;
-    Ok((y, last))
+    let params = [Some(a), opts.dt.bias, opts.d, opts.initial_state];
+    let (first, second, chained, rows) = match route {
+        Route::Rows(xbc) => (xbc, dt, Vec::new(), true),
+        Route::Split(x, b, c) => (x, b, vec![Some(c), Some(dt)], false),
+    };
+    let chained: Vec<Option<&Tensor>> = chained.into_iter().chain(params).collect();
+    let output = |out: CudaOut| -> Result<Tensor> {
+        let handed = Arc::new(Handed::default());
+        let rest = handoff_chain(&chained, &handed)?;
+        let op = SsdCuda {
+            held: held.clone(),
+            out,
+            rows,
+            handed,
+        };
+        first.apply_op3(second, &rest, op)
+    };
+    Ok((output(CudaOut::Y)?, output(CudaOut::Last)?))
 }
 
 /// What the CUDA ops hold: the forward's inputs, detached, and the final state y's forward
@@ -466,7 +490,6 @@ struct CudaHeld {
     dims: SsdDims,
     chunk: usize,
     state_dtype: DType,
-    rows: bool,
     last: Slot,
 }
 
@@ -513,14 +536,13 @@ impl CudaHeld {
         Ok(y)
     }
 
-    /// The gradients of the packed `(values, dt, params)` from those of y and of the final state.
-    fn grads(
+    /// The backward's kernels on the held inputs, given y's gradient or the final state's (the
+    /// other one zero).
+    fn backward(
         &self,
-        (values, params): (&Tensor, &Tensor),
         dy: Option<&Tensor>,
         dlast: Option<&Tensor>,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = self.dims;
+    ) -> Result<super::cuda::BackwardGrads> {
         let dy = match dy {
             Some(g) => g.to_dtype(self.x.dtype())?.contiguous()?,
             None => self.x.zeros_like()?,
@@ -529,7 +551,7 @@ impl CudaHeld {
             .map(|g| g.to_dtype(DType::F32)?.contiguous())
             .transpose()?;
         let rule = self.rule;
-        let back = super::cuda::Backward {
+        super::cuda::ssd_backward(&super::cuda::Backward {
             x: &self.x,
             b: &self.b,
             c: &self.c,
@@ -544,41 +566,9 @@ impl CudaHeld {
             init: self.init.as_ref(),
             dy: &dy,
             dlast: dlast.as_ref(),
-            dims: d,
+            dims: self.dims,
             state_dtype: self.state_dtype,
-        };
-        let g = super::cuda::ssd_backward(&back)?;
-        let vt = values.dtype();
-        let (bl, l) = (d.batch, d.seqlen);
-        let (hp, gn) = (d.nheads * d.headdim, d.ngroups * d.dstate);
-        let dvalues = if self.rows {
-            Tensor::cat(
-                &[
-                    g.x.reshape((bl, l, hp))?.to_dtype(vt)?,
-                    g.b.reshape((bl, l, gn))?.to_dtype(vt)?,
-                    g.c.reshape((bl, l, gn))?.to_dtype(vt)?,
-                ],
-                2,
-            )?
-        } else {
-            Tensor::cat(
-                &[
-                    g.x.flatten_all()?.to_dtype(vt)?,
-                    g.b.flatten_all()?.to_dtype(vt)?,
-                    g.c.flatten_all()?.to_dtype(vt)?,
-                ],
-                0,
-            )?
-        };
-        let mut dparams = vec![g.a, g.bias];
-        if let Some(dd) = g.d {
-            dparams.push(dd.flatten_all()?);
-        }
-        if let Some(di) = g.init {
-            dparams.push(di.flatten_all()?);
-        }
-        let dparams = Tensor::cat(&dparams, 0)?.to_dtype(params.dtype())?;
-        Ok((Some(dvalues), Some(g.dt), Some(dparams)))
+        })
     }
 }
 
@@ -596,12 +586,20 @@ enum CudaOut {
 /// output's gradient zero.
 #[cfg(feature = "cuda")]
 #[derive(Debug)]
-struct SsdCuda(Arc<CudaHeld>, CudaOut);
+struct SsdCuda {
+    held: Arc<CudaHeld>,
+    out: CudaOut,
+    /// The first argument is xbc's rows ([`Route::Rows`]).
+    rows: bool,
+    /// Where the backward leaves the gradients of the inputs behind its third argument, the
+    /// chain of [`Handoff`]s.
+    handed: Arc<Handed>,
+}
 
 #[cfg(feature = "cuda")]
 impl CustomOp3 for SsdCuda {
     fn name(&self) -> &'static str {
-        match self.1 {
+        match self.out {
             CudaOut::Y => "ssd",
             CudaOut::Last => "ssd_final_state",
         }
@@ -628,13 +626,13 @@ impl CustomOp3 for SsdCuda {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let d = self.0.dims;
-        match self.1 {
+        let d = self.held.dims;
+        match self.out {
             CudaOut::Y => {
-                let y = self.0.forward()?;
+                let y = self.held.forward()?;
                 Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
             }
-            CudaOut::Last => match self.0.last.take_storage("ssd", "final state")? {
+            CudaOut::Last => match self.held.last.take_storage("ssd", "final state")? {
                 candle_core::Storage::Cuda(s) => {
                     Ok((s, Shape::from((d.batch, d.nheads, d.headdim, d.dstate))))
                 }
@@ -643,18 +641,183 @@ impl CustomOp3 for SsdCuda {
         }
     }
 
+    /// The arguments are `(xbc, dt, chain)` or `(x, b, chain)` (see [`Route`]).
     fn bwd(
         &self,
-        values: &Tensor,
-        _dt: &Tensor,
-        params: &Tensor,
+        first: &Tensor,
+        second: &Tensor,
+        chain: &Tensor,
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        match self.1 {
-            CudaOut::Y => self.0.grads((values, params), Some(grad_res), None),
-            CudaOut::Last => self.0.grads((values, params), None, Some(grad_res)),
+        let g = match self.out {
+            CudaOut::Y => self.held.backward(Some(grad_res), None)?,
+            CudaOut::Last => self.held.backward(None, Some(grad_res))?,
+        };
+        let d = self.held.dims;
+        let (dfirst, dsecond, mut chained) = if self.rows {
+            let (bl, l) = (d.batch, d.seqlen);
+            let (hp, gn) = (d.nheads * d.headdim, d.ngroups * d.dstate);
+            let vt = first.dtype();
+            let dxbc = Tensor::cat(
+                &[
+                    g.x.reshape((bl, l, hp))?.to_dtype(vt)?,
+                    g.b.reshape((bl, l, gn))?.to_dtype(vt)?,
+                    g.c.reshape((bl, l, gn))?.to_dtype(vt)?,
+                ],
+                2,
+            )?;
+            (dxbc, g.dt, Vec::new())
+        } else {
+            (g.x, g.b, vec![Some(g.c), Some(g.dt)])
+        };
+        chained.extend([Some(g.a), Some(g.bias), g.d, g.init]);
+        if chain.track_op() {
+            self.handed.put(chained)?;
         }
+        Ok((
+            recorded_grad(first, dfirst)?,
+            recorded_grad(second, dsecond)?,
+            chain_grad(chain)?,
+        ))
+    }
+}
+
+/// `grad` in `arg`'s dtype, or `None` when `arg` records no gradient (candle would add it to
+/// zeros).
+#[cfg(feature = "cuda")]
+fn recorded_grad(arg: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
+    match arg.track_op() {
+        true => Ok(Some(grad.to_dtype(arg.dtype())?)),
+        false => Ok(None),
+    }
+}
+
+/// The gradient of a chain link: a one-element zero, so that candle runs the link's backward.
+#[cfg(feature = "cuda")]
+fn chain_grad(link: &Tensor) -> Result<Option<Tensor>> {
+    match link.track_op() {
+        true => Ok(Some(Tensor::zeros(1, DType::F32, link.device())?)),
+        false => Ok(None),
+    }
+}
+
+/// The gradients [`SsdCuda`]'s backward computed for the inputs behind its chain of
+/// [`Handoff`]s, by their place in the chain (`None`: no such input).
+#[cfg(feature = "cuda")]
+#[derive(Default)]
+struct Handed(Mutex<Vec<Option<Tensor>>>);
+
+#[cfg(feature = "cuda")]
+impl Handed {
+    fn put(&self, grads: Vec<Option<Tensor>>) -> Result<()> {
+        match self.0.lock() {
+            Ok(mut slot) => {
+                *slot = grads;
+                Ok(())
+            }
+            Err(_) => bail!("ssd: gradient slot poisoned"),
+        }
+    }
+
+    /// The gradient at `place`, once.
+    fn take(&self, place: usize) -> Result<Option<Tensor>> {
+        match self.0.lock() {
+            Ok(mut slot) => Ok(slot.get_mut(place).and_then(Option::take)),
+            Err(_) => bail!("ssd: gradient slot poisoned"),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for Handed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Handed")
+    }
+}
+
+/// The chain standing for `inputs` as [`SsdCuda`]'s third argument: each link a [`Handoff`] on
+/// two inputs and the next link; a missing input, and the last link's next, a one-element zero
+/// that records nothing.
+#[cfg(feature = "cuda")]
+fn handoff_chain(inputs: &[Option<&Tensor>], handed: &Arc<Handed>) -> Result<Tensor> {
+    let Some(dev) = inputs.iter().flatten().next().map(|t| t.device()) else {
+        bail!("ssd: nothing to route gradients to")
+    };
+    let none = Tensor::zeros(1, DType::F32, dev)?;
+    let mut next = none.clone();
+    for place in (0..inputs.len()).step_by(2).rev() {
+        let arg = |i: usize| inputs.get(i).copied().flatten().unwrap_or(&none);
+        let link = Handoff {
+            handed: handed.clone(),
+            place,
+        };
+        next = arg(place).apply_op3(arg(place + 1), &next, link)?;
+    }
+    Ok(next)
+}
+
+/// A link of the chain: a one-element tensor standing for the inputs at `place` and `place + 1`
+/// and the links after it. Its forward reads nothing; its backward returns the gradients
+/// [`SsdCuda`]'s backward, which candle runs first, left in [`Handed`].
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+struct Handoff {
+    handed: Arc<Handed>,
+    place: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl CustomOp3 for Handoff {
+    fn name(&self) -> &'static str {
+        "ssd_handoff"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("ssd: the recorded op of CUDA got CPU tensors")
+    }
+
+    fn cuda_fwd(
+        &self,
+        first: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendDevice;
+        let one = Shape::from(1);
+        Ok((first.device().zeros_impl(&one, DType::F32)?, one))
+    }
+
+    fn bwd(
+        &self,
+        first: &Tensor,
+        second: &Tensor,
+        next: &Tensor,
+        _res: &Tensor,
+        _grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let handed = |arg: &Tensor, place: usize| -> Result<Option<Tensor>> {
+            match self.handed.take(place)? {
+                Some(g) => recorded_grad(arg, g),
+                None => Ok(None),
+            }
+        };
+        Ok((
+            handed(first, self.place)?,
+            handed(second, self.place + 1)?,
+            chain_grad(next)?,
+        ))
     }
 }
 
