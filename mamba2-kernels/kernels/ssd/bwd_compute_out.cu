@@ -12,7 +12,8 @@
 // (t ≥ r > s) that cross r, as an exclusive prefix sum whose diagonal terms cancel exactly.
 // Eight warps: warp w owns rows 16·(w mod 4) and, of every block of 64 columns, the 32 from
 // 32·⌊w / 4⌋ of every [64, ·] product; all tiles sit in shared memory, zero-padded to multiples of
-// 64 columns. Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
+// 64 columns. Chunk c reads H from slot c of states and dH' from slot c + 1 of dstates (both
+// [B,H,C+1,P,N] of S). Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
 // (summed over the group's heads by atomics when it has several); ddt [B,H,L] f32 (processed
 // dt); da_part [B,H,C] f32; dd [H,P] f32 (atomics; null without D).
 #include "params.cuh"
@@ -93,8 +94,8 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
   m2::stage(cs, ldn, cm + bo, bstride, tc, N, TOKENS, np, tid, threads);
   m2::stage(hs, ldn, states + (static_cast<size_t>(bh) * (nch + 1) + ci) * pn, N, P, N, pp, np,
             tid, threads);
-  m2::stage(dhs, ldn, dstates + (static_cast<size_t>(bh) * nch + ci) * pn, N, P, N, pp, np, tid,
-            threads);
+  m2::stage(dhs, ldn, dstates + (static_cast<size_t>(bh) * (nch + 1) + ci + 1) * pn, N, P, N, pp,
+            np, tid, threads);
   m2::stage_wait();
   __syncthreads();
 

@@ -5,7 +5,10 @@
 //   bwd_state_scan:   dH'_{c−1} = exp2(d_last(c))·dH'_c + U_c  (chunks last to first)
 // bwd_state_scan overwrites U_c with dH'_c (what bwd_compute_out reads for chunk c) and writes
 // the initial state's gradient dH'_{−1}. Layouts: dy [B,L,H,P], c [B,L,G,N] contiguous, da
-// [B,H,L] f32, dlast and dinit [B,H,P,N] f32 (dlast null: zero), dstates [B,H,C,P,N] of S.
+// [B,H,L] f32, dlast and dinit [B,H,P,N] f32 (dlast null: zero), dstates [B,H,C+1,P,N] of S,
+// chunk c in slot c + 1 as the forward's chunk states (slot 0 unused): U_c can then come from
+// the forward's chunk_state_mma instead (dY for x, C for B, exp2(d) for dt, zeros for d), as the
+// launcher does wherever that kernel takes the shape; bwd_chunk_state is the rest's.
 #include "params.cuh"
 #include "ssd/warp_tile.cuh"
 
@@ -51,7 +54,7 @@ __device__ void bwd_chunk_state(const T* __restrict__ dy, const T* __restrict__ 
     m2::scale_rows(cs, ldn, TOKENS, np, scale, tid, blockDim.x);
   __syncthreads();
   const int nch = d.nchunks;
-  S* out = dstates + (static_cast<size_t>(bh) * nch + ci) * P * N;
+  S* out = dstates + (static_cast<size_t>(bh) * (nch + 1) + ci + 1) * P * N;
   for (int m0 = warp * 16; m0 < pp; m0 += WARPS * 16) {
     for (int n0 = 0; n0 < np; n0 += 64) {
       float acc[8][4];
@@ -100,7 +103,7 @@ __device__ void bwd_state_scan(const float* __restrict__ da, const float* __rest
   m2::wait_prior_grid();
   if (e0 >= pn) return;
   const float* g = da + static_cast<size_t>(bh) * L;
-  S* u = dstates + static_cast<size_t>(bh) * nch * pn + e0;
+  S* u = dstates + (static_cast<size_t>(bh) * (nch + 1) + 1) * pn + e0;
   float carry[W];
 #pragma unroll
   for (int k = 0; k < W; ++k) carry[k] = dlast ? dlast[static_cast<size_t>(bh) * pn + e0 + k] : 0.f;

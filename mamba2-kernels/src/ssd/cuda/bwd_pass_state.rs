@@ -1,7 +1,8 @@
 //! Launcher of `kernels/ssd/bwd_pass_state.cu`, the backward state pass: every chunk's own
-//! state gradient `(dY)ᵀ·(exp2(d)∘C)` in parallel (bwd_chunk_state), then the scan across chunks
-//! from the last (bwd_state_scan), which leaves each chunk's exit-state gradient in place of its
-//! own term and writes the initial state's gradient.
+//! state gradient `(dY)ᵀ·(exp2(d)∘C)` in parallel (bwd_chunk_state, where the caller has not
+//! written them with the forward's chunk_state_mma), then the scan across chunks from the last
+//! (bwd_state_scan), which leaves each chunk's exit-state gradient in place of its own term and
+//! writes the initial state's gradient.
 
 use std::sync::Arc;
 
@@ -19,7 +20,8 @@ const IMAGE: Image = fatbin!("ssd_bwd_pass_state");
 pub(super) const TOKENS: usize = 64;
 
 /// The addresses the pass reads and writes: dy, c, da_cumsum, the final state's gradient (0:
-/// zero), the chunk gradients `[B,H,C,P,N]` and the initial state's gradient (0: not needed).
+/// zero), the chunk gradients `[B,H,C+1,P,N]` (chunk c in slot c + 1) and the initial state's
+/// gradient (0: not needed).
 pub(super) struct BwdStatePtrs {
     pub dy: u64,
     pub c: u64,
@@ -40,20 +42,24 @@ pub(super) fn pad(v: i32) -> usize {
     (v as usize).next_multiple_of(64)
 }
 
-/// Launches both kernels with values of type `t` and chunk gradients of type `s`.
+/// Launches the scan with chunk gradients of type `s`, after bwd_chunk_state (values of type
+/// `t`) where `own_terms` (else the caller has written the chunk terms).
 pub(super) fn bwd_state_pass(
     p: &SsdParams,
     (t, s): (Ty, Ty),
     q: &BwdStatePtrs,
+    own_terms: bool,
     stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let name = "ssd backward";
     let bh = p.batch as usize * p.nheads as usize;
-    let f = function(stream, IMAGE, &instances::bwd_chunk_state(t, s))?;
-    let smem = chunk_state_smem(p, t);
-    let grid = [p.nchunks as usize * bh, 1, 1];
-    let c = cfg(name, stream, grid, [128, 1, 1], smem)?;
-    launch(stream, &f, c, &[&q.dy, &q.c, &q.da, &q.dstates, p])?;
+    if own_terms {
+        let f = function(stream, IMAGE, &instances::bwd_chunk_state(t, s))?;
+        let smem = chunk_state_smem(p, t);
+        let grid = [p.nchunks as usize * bh, 1, 1];
+        let c = cfg(name, stream, grid, [128, 1, 1], smem)?;
+        launch(stream, &f, c, &[&q.dy, &q.c, &q.da, &q.dstates, p])?;
+    }
     // 8 elements per thread where a state's row allows it, else one.
     let pn = p.headdim as usize * p.dstate as usize;
     let wide = pn % 8 == 0;

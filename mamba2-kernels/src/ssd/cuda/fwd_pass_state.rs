@@ -56,9 +56,7 @@ pub(super) fn state_pass(
     let mut kp = SsdParams::new(d, chunk)?;
     let (t, s) = (ty(name, vt)?, ty(name, st)?);
     let bh = d.batch * d.nheads;
-    let max = max_smem(stream)?;
-    let aligned = [p.x, p.b, p.init].iter().all(|a| a % 16 == 0);
-    let Some(tile) = plan::chunk_state_tile(d, chunk, t, st.size_in_bytes(), aligned, max) else {
+    let Some(tile) = chunk_state_tile(d, chunk, (vt, st), p, stream)? else {
         if let Some(raw) = raw {
             launch_stage1(&kp, &raw.steps, ty(name, raw.dtype)?, stream)?;
         }
@@ -84,6 +82,59 @@ pub(super) fn state_pass(
         }
         None => None,
     };
+    launch_chunk_state(d, chunk, &tile, (vt, st), p, fused.as_ref(), stream)?;
+    let last_p = before_last()?;
+    let deep = plan::deep_scan(d, sms);
+    let f = function(stream, IMAGE, &instances::state_scan(deep, s))?;
+    kp.release_at = i(plan::scan_release_at(deep, nchunks))?;
+    let grid = [(d.headdim * d.dstate / 8).div_ceil(256), bh, 1];
+    launch(
+        stream,
+        &f,
+        cfg(name, stream, grid, [256, 1, 1], 0)?,
+        &[&p.da, &p.init, &p.states, &last_p, &kp],
+    )
+}
+
+/// The tile of chunk_state_mma for values of type `vt` and states of type `st`, or `None` where
+/// none fits (f32 values, odd sizes, addresses not 16-byte aligned): the SIMT kernel's case.
+pub(super) fn chunk_state_tile(
+    d: &SsdDims,
+    chunk: usize,
+    (vt, st): (DType, DType),
+    p: &PassPtrs,
+    stream: &Arc<CudaStream>,
+) -> Result<Option<plan::ChunkStateTile>> {
+    let aligned = [p.x, p.b, p.init].iter().all(|a| a % 16 == 0);
+    let t = ty("fwd_pass_state", vt)?;
+    let max = max_smem(stream)?;
+    Ok(plan::chunk_state_tile(
+        d,
+        chunk,
+        t,
+        st.size_in_bytes(),
+        aligned,
+        max,
+    ))
+}
+
+/// Launches chunk_state_mma on `tile`: every chunk's own term Σ_s exp2(d_last − d_s)·dt_s ·
+/// x_s B_sᵀ into slot c + 1 of `p.states`, from `p.dt` and `p.da`, or (`fused`) from raw step
+/// sizes, stage 1 on the way.
+pub(super) fn launch_chunk_state(
+    d: &SsdDims,
+    chunk: usize,
+    tile: &plan::ChunkStateTile,
+    (vt, st): (DType, DType),
+    p: &PassPtrs,
+    fused: Option<&SsdSteps>,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    let name = "fwd_pass_state";
+    let kp = SsdParams::new(d, chunk)?;
+    let (t, s) = (ty(name, vt)?, ty(name, st)?);
+    let max = max_smem(stream)?;
+    let programs = tile.programs(d, chunk);
     // On sm_90+ the x and b tiles come by tensor map (one thread issues the copies), their
     // shared tiles aligned to 1024 bytes instead of 128.
     let tma = has_tma(stream)? && tile.tma_smem() <= max;
@@ -108,7 +159,7 @@ pub(super) fn state_pass(
         [32 * tile.warps, 1, 1],
         smem,
     )?;
-    let (form, args): (_, Vec<&dyn Arg>) = match (&fused, &maps) {
+    let (form, args): (_, Vec<&dyn Arg>) = match (fused, &maps) {
         (Some(ks), Some((tx, tb, rows))) => (
             ChunkStateForm::TmaCs,
             vec![tx, tb, rows, &p.states, &kp, ks],
@@ -124,16 +175,5 @@ pub(super) fn state_pass(
         ),
     };
     let f = function(stream, IMAGE, &tile.kernel(form, t, s))?;
-    launch(stream, &f, launch_cfg, &args)?;
-    let last_p = before_last()?;
-    let deep = plan::deep_scan(d, sms);
-    let f = function(stream, IMAGE, &instances::state_scan(deep, s))?;
-    kp.release_at = i(plan::scan_release_at(deep, nchunks))?;
-    let grid = [(d.headdim * d.dstate / 8).div_ceil(256), bh, 1];
-    launch(
-        stream,
-        &f,
-        cfg(name, stream, grid, [256, 1, 1], 0)?,
-        &[&p.da, &p.init, &p.states, &last_p, &kp],
-    )
+    launch(stream, &f, launch_cfg, &args)
 }

@@ -24,7 +24,7 @@ use self::bwd_chunk_cumsum::launch_bwd_stage1;
 use self::bwd_compute_out::{launch_bwd_out, BwdOutPtrs};
 use self::bwd_pass_state::{bwd_state_pass, BwdStatePtrs, TOKENS};
 use self::compute_out::{out_pass, OutPtrs};
-use self::fwd_pass_state::{state_pass, PassPtrs, RawSteps};
+use self::fwd_pass_state::{chunk_state_tile, launch_chunk_state, state_pass, PassPtrs, RawSteps};
 use self::params::{SsdParams, SsdSteps};
 use crate::check::SsdDims;
 use crate::cuda::{alloc, opt_ptr, ptr, rows_ptr, scratch, ty, written, zeroed, Guards, Held};
@@ -314,30 +314,52 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
     let (hbias, dt_s) = (op.dt_opts.bias.map(Held::new), Held::new(op.dt));
     let mut guards = Guards::new();
 
-    let mut dstates = alloc(dev, op.state_dtype, bh * nch * pn)?;
+    // The chunk terms of dstates by the forward's chunk_state_mma where it takes the shape:
+    // U_c = Σ_t exp2(d_t)·dy_t C_tᵀ is its Σ_s exp2(d_last − d_s)·dt_s·x_s B_sᵀ with d = 0 and
+    // dt = exp2(d).
+    let slots = bh * (nch + 1) * pn;
+    let mut dstates = alloc(dev, op.state_dtype, slots)?;
+    let dstates_p = ptr(name, "dstates", &dstates, &contiguous(slots), &stream)?.0;
+    let (dy_p, c_p) = (
+        hdy.ptr(name, "dy", &stream, &mut guards)?,
+        hc.ptr(name, "c", &stream, &mut guards)?,
+    );
+    let mut terms = PassPtrs {
+        x: dy_p,
+        b: c_p,
+        init: 0,
+        states: dstates_p,
+        dt: 0,
+        da: 0,
+    };
+    let types = (op.x.dtype(), op.state_dtype);
+    let tile = chunk_state_tile(&d, TOKENS, types, &terms, &stream)?;
+    if let Some(tile) = &tile {
+        // The weights live only as long as this launch needs them.
+        let zeros = Tensor::zeros(da.shape(), DType::F32, op.x.device())?;
+        let exp2 = (&da * std::f64::consts::LN_2)?.exp()?;
+        let (hz, he) = (Held::new(&zeros), Held::new(&exp2));
+        let mut weight_guards = Guards::new();
+        terms.da = hz.ptr(name, "zero cumulative sums", &stream, &mut weight_guards)?;
+        terms.dt = he.ptr(name, "exp2(da_cumsum)", &stream, &mut weight_guards)?;
+        launch_chunk_state(&d, TOKENS, tile, types, &terms, None, &stream)?;
+    }
     let mut dinit = op
         .init
         .map(|_| alloc(dev, DType::F32, bh * pn))
         .transpose()?;
     let q = BwdStatePtrs {
-        dy: hdy.ptr(name, "dy", &stream, &mut guards)?,
-        c: hc.ptr(name, "c", &stream, &mut guards)?,
+        dy: dy_p,
+        c: c_p,
         da: hda.ptr(name, "da_cumsum", &stream, &mut guards)?,
         dlast: opt_ptr(name, "final state gradient", &hlast, &stream, &mut guards)?,
-        dstates: ptr(
-            name,
-            "dstates",
-            &dstates,
-            &contiguous(bh * nch * pn),
-            &stream,
-        )?
-        .0,
+        dstates: dstates_p,
         dinit: match &dinit {
             Some(s) => ptr(name, "dinit", s, &contiguous(bh * pn), &stream)?.0,
             None => 0,
         },
     };
-    bwd_state_pass(&p, (vt, st), &q, &stream)?;
+    bwd_state_pass(&p, (vt, st), &q, tile.is_none(), &stream)?;
 
     let gn = d.ngroups * d.dstate;
     let shared = d.heads_per_group() > 1;
