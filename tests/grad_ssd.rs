@@ -261,6 +261,77 @@ fn f32_gradients_agree_with_f64() -> Result<()> {
     Ok(())
 }
 
+/// Each output alone gets its own gradients (the loss reading only y, or only the final state),
+/// and they add up to those of the loss on both; a broadcast gradient of y (Σ y, not contiguous)
+/// gives the gradients of Σ y·1.
+#[test]
+fn each_output_alone_and_a_broadcast_gradient() -> Result<()> {
+    let k = case();
+    let inp = Inputs::new(&k, &mut Rng::new(9), DType::F64)?;
+    let leaves: Vec<Tensor> = inp
+        .leaves()
+        .iter()
+        .map(|(_, v)| v.as_tensor().clone())
+        .collect();
+    let names: Vec<&str> = inp.leaves().into_iter().map(|(n, _)| n).collect();
+    let get = |name: &str| names.iter().position(|n| *n == name).map(|i| &leaves[i]);
+    let a = get("A_log").expect("A_log").exp()?.neg()?;
+    let opts = SsdOptions {
+        chunk_size: k.chunk,
+        dt: DtOptions {
+            bias: get("dt_bias"),
+            softplus: k.softplus,
+            limit: k.limit,
+        },
+        d: get("D"),
+        z: get("z"),
+        initial_state: get("init"),
+        state_dtype: DType::F64,
+    };
+    let outputs = || {
+        ssd(
+            get("x").expect("x"),
+            get("dt").expect("dt"),
+            &a,
+            get("B").expect("B"),
+            get("C").expect("C"),
+            &opts,
+        )
+    };
+    let grads = |loss: Tensor| -> Result<Vec<Tensor>> {
+        let store = loss.backward()?;
+        inp.leaves()
+            .iter()
+            .map(|(_, v)| match store.get(v.as_tensor()) {
+                Some(g) => Ok(g.clone()),
+                None => v.as_tensor().zeros_like(),
+            })
+            .collect()
+    };
+    let (y, last) = outputs()?;
+    let both = grads(((&y * &inp.wy)?.sum_all()? + (&last * &inp.ws)?.sum_all()?)?)?;
+    let (y, _) = outputs()?;
+    let of_y = grads((&y * &inp.wy)?.sum_all()?)?;
+    let (_, last) = outputs()?;
+    let of_last = grads((&last * &inp.ws)?.sum_all()?)?;
+    for ((name, b), (gy, gl)) in names.iter().zip(&both).zip(of_y.iter().zip(&of_last)) {
+        let e = common::rel_err(&(gy + gl)?, b)?;
+        assert!(
+            e <= 1e-12,
+            "{name}: y's and the final state's gradients add up to within {e:e}"
+        );
+    }
+    let (y, _) = outputs()?;
+    let broadcast = grads(y.sum_all()?)?;
+    let (y, _) = outputs()?;
+    let ones = grads((&y * y.ones_like()?)?.sum_all()?)?;
+    for ((name, g), want) in names.iter().zip(&broadcast).zip(&ones) {
+        let e = common::rel_err(g, want)?;
+        assert!(e <= 1e-12, "{name}: Σ y's gradient off by {e:e}");
+    }
+    Ok(())
+}
+
 proptest! {
     // Fixed draws. The check's difference quotient (h = 1e-6) resolves a gradient only to its
     // rounding, ≈ 1e-10 of the loss's scale, so a draw where one leaf's whole gradient is far

@@ -1,6 +1,6 @@
 //! `ssd` with gradients: the op candle records when any input takes part in a gradient.
 //!
-//! candle's custom ops take at most three tensors and return one, so this form packs them:
+//! candle's custom ops take at most three tensors and return one. On the CPU a core op takes
 //!
 //! - `values` = `[x | b | c | z]`, each flattened, in x's dtype — or, from
 //!   [`super::ssd_xbc`], the caller's `xbc [B, L, H·P + 2·G·N]` itself (per token `[x | B | C]`,
@@ -10,10 +10,11 @@
 //! - `params` = `[a | dt_bias | D | initial state]`, each flattened, in the parameter dtype (f32,
 //!   or f64 for f64 values); a missing D or initial state takes no room, a missing bias is zeros;
 //!
-//! and returns `[y | final state]`, flattened, in the compute dtype (f32 or f64), which
-//! [`super::ssd`] cuts and converts to x's dtype and the state dtype. The packing and the cuts
-//! are candle's own `flatten`, `cat`, `narrow`, `reshape` and `to_dtype`, so the gradients reach
-//! the caller's tensors and every `Var` behind them (e.g. `A_log` through `a = −exp(A_log)`).
+//! runs the forward and returns a one-element tensor, on which two output ops give y in x's
+//! dtype and the final state in the state dtype; their backwards leave their gradients for the
+//! core's, which candle runs after both. The packing is candle's own `flatten`, `cat` and
+//! `to_dtype`, so the gradients reach the caller's tensors and every `Var` behind them (e.g.
+//! `A_log` through `a = −exp(A_log)`).
 //! On the CPU the backward is [`super::grad`]. On CUDA nothing is packed: two ops, y in x's dtype
 //! and the final state in the state dtype (z's gate is applied after them by candle ops), read
 //! the held inputs and take as arguments only what routes the gradients — xbc's rows and dt, or
@@ -22,9 +23,7 @@
 
 use std::any::Any;
 use std::borrow::Cow;
-#[cfg(feature = "cuda")]
-use std::sync::Arc;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -35,11 +34,11 @@ use super::SsdOptions;
 use crate::check::{param_dtype, SsdDims};
 use crate::cpu::{round_to, to_storage, view, wide, CpuArg, Real};
 use crate::dt::DtRule;
-#[cfg(feature = "cuda")]
 use crate::slot::Slot;
 use rayon::prelude::*;
 
-/// The recorded SSD on `(values, dt, params)`.
+/// The core of the recorded SSD on the CPU, on `(values, dt, params)`: the forward, which leaves
+/// y and the final state in [`Outputs`], and the backward.
 #[derive(Debug)]
 struct SsdGrad {
     dims: SsdDims,
@@ -54,6 +53,100 @@ struct SsdGrad {
     rows: bool,
     /// The forward's intermediates, for the backward.
     kept: KeptSlot,
+    /// Where the forward leaves y and the final state, and the output ops their gradients.
+    outputs: Arc<Outputs>,
+}
+
+/// What the recorded SSD's core op leaves for its two output ops (y, the final state) and they
+/// for its backward: candle ops return one tensor, and an output op of its own lets each output
+/// have its dtype and shape and its gradient come back as it is (a packed `[y | final state]`,
+/// cut by `narrow`, had candle build its full-size gradient for every cut).
+#[derive(Debug, Default)]
+struct Outputs {
+    y: Slot,
+    last: Slot,
+    pending: Pending,
+}
+
+/// The gradients of y and of the final state, left by the output ops' backwards for the core's
+/// (`None`: zero).
+#[derive(Default)]
+struct Pending(Mutex<[Option<Tensor>; 2]>);
+
+impl Pending {
+    /// Stores `grad`, contiguous (the backward reads it as a slice).
+    fn put(&self, out: Output, grad: &Tensor) -> Result<()> {
+        let grad = grad.contiguous()?;
+        match self.0.lock() {
+            Ok(mut slot) => {
+                slot[out as usize] = Some(grad);
+                Ok(())
+            }
+            Err(_) => bail!("ssd: gradient slot poisoned"),
+        }
+    }
+
+    /// Both gradients, once.
+    fn take(&self) -> Result<[Option<Tensor>; 2]> {
+        match self.0.lock() {
+            Ok(mut slot) => Ok(std::mem::take(&mut *slot)),
+            Err(_) => bail!("ssd: gradient slot poisoned"),
+        }
+    }
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pending")
+    }
+}
+
+/// An output of the recorded SSD (its place in [`Pending`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Output {
+    Y = 0,
+    Last = 1,
+}
+
+/// One output of the recorded SSD, on the core op's one-element result: its forward takes the
+/// output the core left, its backward leaves the output's gradient for the core's, which candle
+/// runs after both (they read its result).
+#[derive(Debug)]
+struct SsdOutput {
+    outputs: Arc<Outputs>,
+    out: Output,
+    shape: Shape,
+}
+
+impl SsdOutput {
+    fn slot(&self) -> (&Slot, &'static str) {
+        match self.out {
+            Output::Y => (&self.outputs.y, "y"),
+            Output::Last => (&self.outputs.last, "final state"),
+        }
+    }
+}
+
+impl candle_core::CustomOp1 for SsdOutput {
+    fn name(&self) -> &'static str {
+        match self.out {
+            Output::Y => "ssd_y",
+            Output::Last => "ssd_final_state",
+        }
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (slot, name) = self.slot();
+        match slot.take_storage("ssd", name)? {
+            candle_core::Storage::Cpu(s) => Ok((s, self.shape.clone())),
+            _ => bail!("ssd: the {name} is not on the CPU"),
+        }
+    }
+
+    fn bwd(&self, core: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        self.outputs.pending.put(self.out, grad_res)?;
+        Ok(Some(Tensor::zeros(1, DType::F32, core.device())?))
+    }
 }
 
 /// The [`Kept`] intermediates of the last forward in its compute type. On the CPU keeping them
@@ -147,8 +240,8 @@ impl SsdGrad {
         out
     }
 
-    /// The forward in the compute type: `[y | final state]`.
-    fn forward<T: Real>(&self, values: &[T], dt: &[T], params: &[T]) -> Vec<T> {
+    /// The forward in the compute type: y and the final state.
+    fn forward<T: Real>(&self, values: &[T], dt: &[T], params: &[T]) -> (Vec<T>, Vec<T>) {
         let h = self.dims.nheads;
         let [x, b, c, z] = self.unpack(values);
         let (x, b, c, z) = (&x[..], &b[..], &c[..], &z[..]);
@@ -170,10 +263,10 @@ impl SsdGrad {
             d: (self.d_len > 0).then_some(d),
             z: self.has_z.then_some(z),
         };
-        let mut out = fwd::compute_out(&inputs, &states, dims, chunk);
-        out.extend(fwd::final_states(&states, dims, chunk));
+        let y = fwd::compute_out(&inputs, &states, dims, chunk);
+        let last = fwd::final_states(&states, dims, chunk);
         self.kept.put(Kept { steps, states });
-        out
+        (y, last)
     }
 
     fn cpu<T: Real>(
@@ -184,23 +277,23 @@ impl SsdGrad {
         let values = view::<T>(op, "x, b, c and z", v_s, v_l)?;
         let dt = view::<T>(op, "dt", dt_s, dt_l)?;
         let params = view::<T>(op, "a, dt_bias, D and the initial state", p_s, p_l)?;
-        let out = self.forward(&values, &dt, &params);
-        let len = out.len();
-        let dtype = if wide(v_s.dtype()) {
-            DType::F64
-        } else {
-            DType::F32
-        };
-        Ok((to_storage(out, dtype)?, Shape::from(len)))
+        let (y, last) = self.forward(&values, &dt, &params);
+        let outputs = &self.outputs;
+        let cpu = candle_core::Storage::Cpu;
+        outputs.y.put(op, cpu(to_storage(y, v_s.dtype())?))?;
+        outputs
+            .last
+            .put(op, cpu(to_storage(last, self.state_dtype)?))?;
+        Ok((to_storage(vec![T::zero()], DType::F32)?, Shape::from(1)))
     }
 
     /// The gradients of the packed inputs, on the host in the compute type.
     fn grads<T: Real>(
         &self,
         (values, dt, params): (&[T], &[T], &[T]),
-        grad_out: &[T],
+        (dy, dlast): (&[T], &[T]),
     ) -> (Vec<T>, Vec<T>, Vec<T>) {
-        let (p, h) = (self.parts(), self.dims.nheads);
+        let h = self.dims.nheads;
         let [x, b, c, z] = self.unpack(values);
         let (x, b, c, z) = (&x[..], &b[..], &c[..], &z[..]);
         let (a, rest) = params.split_at(h);
@@ -221,7 +314,6 @@ impl SsdGrad {
             chunk: self.chunk,
             state_dtype: self.state_dtype,
         };
-        let (dy, dlast) = grad_out.split_at(p.x);
         let g = grad::backward(&inputs, dy, dlast, self.kept.take());
         let dvalues = self.pack([g.x, g.b, g.c, g.z.unwrap_or_default()]);
         let mut dparams = g.a;
@@ -231,19 +323,61 @@ impl SsdGrad {
         (dvalues, g.dt, dparams)
     }
 
+    /// The gradients of `(values, dt, params)` given y's and the final state's (`None`: zero),
+    /// as tensors like those arguments.
     fn bwd_in<T: Real + candle_core::WithDType>(
         &self,
         (values, dt, params): (&Tensor, &Tensor, &Tensor),
-        grad_res: &Tensor,
+        (dy, dlast): (Option<&Tensor>, Option<&Tensor>),
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let host =
-            |t: &Tensor| -> Result<Vec<T>> { t.flatten_all()?.to_dtype(T::DTYPE)?.to_vec1::<T>() };
-        let (v, d, p, g) = (host(values)?, host(dt)?, host(params)?, host(grad_res)?);
-        let (dv, dd, dp) = self.grads((&v, &d, &p), &g);
+        let op = "ssd backward";
+        let p = self.parts();
+        let (g_v, g_dt, g_p) = (
+            values.storage_and_layout(),
+            dt.storage_and_layout(),
+            params.storage_and_layout(),
+        );
+        let (g_dy, g_last) = (
+            dy.map(Tensor::storage_and_layout),
+            dlast.map(Tensor::storage_and_layout),
+        );
+        let zeros = |len: usize| Cow::Owned(vec![T::zero(); len]);
+        let (dy_h, dlast_h) = (
+            match &g_dy {
+                Some((s, l)) => host_slice(op, "y's gradient", s, l)?,
+                None => zeros(p.x),
+            },
+            match &g_last {
+                Some((s, l)) => host_slice(op, "the final state's gradient", s, l)?,
+                None => zeros(p.pn),
+            },
+        );
+        let (dv, dd, dp) = self.grads(
+            (
+                &host_slice(op, "values", &g_v.0, g_v.1)?,
+                &host_slice(op, "dt", &g_dt.0, g_dt.1)?,
+                &host_slice(op, "params", &g_p.0, g_p.1)?,
+            ),
+            (&dy_h, &dlast_h),
+        );
         let back = |g: Vec<T>, like: &Tensor| -> Result<Tensor> {
             Tensor::from_vec(g, like.shape(), like.device())?.to_dtype(like.dtype())
         };
         Ok((back(dv, values)?, back(dd, dt)?, back(dp, params)?))
+    }
+}
+
+/// The contiguous elements of a CPU tensor's storage in the compute type, borrowed when they
+/// already have it.
+fn host_slice<'a, T: Real>(
+    op: &str,
+    name: &str,
+    s: &'a candle_core::Storage,
+    l: &Layout,
+) -> Result<Cow<'a, [T]>> {
+    match s {
+        candle_core::Storage::Cpu(s) => view::<T>(op, name, s, l),
+        _ => bail!("{op}: {name} is not on the CPU"),
     }
 }
 
@@ -275,16 +409,18 @@ impl CustomOp3 for SsdGrad {
         dt: &Tensor,
         params: &Tensor,
         _res: &Tensor,
-        grad_res: &Tensor,
+        _grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         if !values.device().is_cpu() {
             bail!("ssd: the recorded op of the CPU got tensors on another device")
         }
         let args = (values, dt, params);
+        let [dy, dlast] = self.outputs.pending.take()?;
+        let grads = (dy.as_ref(), dlast.as_ref());
         let (dv, dd, dp) = if wide(values.dtype()) {
-            self.bwd_in::<f64>(args, grad_res)?
+            self.bwd_in::<f64>(args, grads)?
         } else {
-            self.bwd_in::<f32>(args, grad_res)?
+            self.bwd_in::<f32>(args, grads)?
         };
         Ok((Some(dv), Some(dd), Some(dp)))
     }
@@ -370,17 +506,25 @@ fn recorded(
         has_init: opts.initial_state.is_some(),
         rows,
         kept: KeptSlot::default(),
+        outputs: Arc::new(Outputs::default()),
     };
-    let parts = op.parts();
-    let out = values.apply_op3(&dt.contiguous()?, &params, op)?;
-    let y = out
-        .narrow(0, 0, parts.x)?
-        .reshape((dims.batch, dims.seqlen, h, dims.headdim))?
-        .to_dtype(values.dtype())?;
-    let last = out
-        .narrow(0, parts.x, parts.pn)?
-        .reshape((dims.batch, h, dims.headdim, dims.dstate))?
-        .to_dtype(opts.state_dtype)?;
+    let outputs = op.outputs.clone();
+    let core = values.apply_op3(&dt.contiguous()?, &params, op)?;
+    let output = |out: Output, shape: Shape| {
+        core.apply_op1(SsdOutput {
+            outputs: outputs.clone(),
+            out,
+            shape,
+        })
+    };
+    let y = output(
+        Output::Y,
+        Shape::from((dims.batch, dims.seqlen, h, dims.headdim)),
+    )?;
+    let last = output(
+        Output::Last,
+        Shape::from((dims.batch, h, dims.headdim, dims.dstate)),
+    )?;
     Ok((y, last))
 }
 
@@ -841,18 +985,18 @@ pub(super) fn backward_cpu(
         has_init: opts.initial_state.is_some(),
         rows: false,
         kept: KeptSlot::default(),
+        outputs: Arc::new(Outputs::default()),
     };
     let parts = op.parts();
     let ct = param_dtype(&values);
-    let dlast = match dlast {
-        Some(g) => g.to_dtype(ct)?.flatten_all()?,
-        None => Tensor::zeros(parts.pn, ct, x.device())?,
-    };
-    let grad_out = Tensor::cat(&[dy.to_dtype(ct)?.flatten_all()?, dlast], 0)?;
+    let dy = dy.contiguous()?;
+    let dlast = dlast.map(Tensor::contiguous).transpose()?;
+    let args = (&values, &dt.contiguous()?, &params);
+    let grads = (Some(&dy), dlast.as_ref());
     let (dv, ddt, dp) = if wide(values.dtype()) {
-        op.bwd_in::<f64>((&values, &dt.contiguous()?, &params), &grad_out)?
+        op.bwd_in::<f64>(args, grads)?
     } else {
-        op.bwd_in::<f32>((&values, &dt.contiguous()?, &params), &grad_out)?
+        op.bwd_in::<f32>(args, grads)?
     };
     let h = dims.nheads;
     let cut = |t: &Tensor, start: usize, len: usize, like: &Tensor| -> Result<Tensor> {
