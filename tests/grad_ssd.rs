@@ -107,8 +107,8 @@ impl Inputs {
     }
 }
 
-/// The loss Σ y·wy + Σ final·ws of the case on the given leaf values.
-fn loss(k: &Case, inp: &Inputs, values: &[Tensor]) -> Result<Tensor> {
+/// `(y, final state)` of the case on the given leaf values.
+fn outputs(k: &Case, inp: &Inputs, values: &[Tensor]) -> Result<(Tensor, Tensor)> {
     let names: Vec<&str> = inp.leaves().into_iter().map(|(n, _)| n).collect();
     let get = |name: &str| names.iter().position(|n| *n == name).map(|i| &values[i]);
     let a = get("A_log").expect("A_log").exp()?.neg()?;
@@ -130,7 +130,12 @@ fn loss(k: &Case, inp: &Inputs, values: &[Tensor]) -> Result<Tensor> {
         get("B").expect("B"),
         get("C").expect("C"),
     );
-    let (y, last) = ssd(x, dt, &a, b, c, &opts)?;
+    ssd(x, dt, &a, b, c, &opts)
+}
+
+/// The loss Σ y·wy + Σ final·ws of the case on the given leaf values.
+fn loss(k: &Case, inp: &Inputs, values: &[Tensor]) -> Result<Tensor> {
+    let (y, last) = outputs(k, inp, values)?;
     (y * &inp.wy)?.sum_all()? + (last * &inp.ws)?.sum_all()?
 }
 
@@ -274,30 +279,7 @@ fn each_output_alone_and_a_broadcast_gradient() -> Result<()> {
         .map(|(_, v)| v.as_tensor().clone())
         .collect();
     let names: Vec<&str> = inp.leaves().into_iter().map(|(n, _)| n).collect();
-    let get = |name: &str| names.iter().position(|n| *n == name).map(|i| &leaves[i]);
-    let a = get("A_log").expect("A_log").exp()?.neg()?;
-    let opts = SsdOptions {
-        chunk_size: k.chunk,
-        dt: DtOptions {
-            bias: get("dt_bias"),
-            softplus: k.softplus,
-            limit: k.limit,
-        },
-        d: get("D"),
-        z: get("z"),
-        initial_state: get("init"),
-        state_dtype: DType::F64,
-    };
-    let outputs = || {
-        ssd(
-            get("x").expect("x"),
-            get("dt").expect("dt"),
-            &a,
-            get("B").expect("B"),
-            get("C").expect("C"),
-            &opts,
-        )
-    };
+    let outputs = || outputs(&k, &inp, &leaves);
     let grads = |loss: Tensor| -> Result<Vec<Tensor>> {
         let store = loss.backward()?;
         inp.leaves()
