@@ -59,8 +59,8 @@ struct SsdGrad {
 
 /// What the recorded SSD's core op leaves for its two output ops (y, the final state) and they
 /// for its backward: candle ops return one tensor, and an output op of its own lets each output
-/// have its dtype and shape and its gradient come back as it is (a packed `[y | final state]`,
-/// cut by `narrow`, had candle build its full-size gradient for every cut).
+/// have its dtype and shape and its gradient come back as it is (a packed `[y | final state]`
+/// cut by `narrow` would have candle build a full-size gradient for every cut).
 #[derive(Debug, Default)]
 struct Outputs {
     y: Slot,
@@ -479,8 +479,8 @@ pub(super) fn ssd_xbc(
     recorded(&xbc, (dt, a), opts, dims, true)
 }
 
-/// Runs the recorded op on `values` (flat, or xbc `rows`) and the packed parameters, and cuts
-/// `(y, final state)` from its output.
+/// Runs the recorded core op on `values` (flat, or xbc `rows`) and the packed parameters, and its
+/// output ops for `(y, final state)`.
 fn recorded(
     values: &Tensor,
     (dt, a): (&Tensor, &Tensor),
