@@ -65,43 +65,12 @@ struct SsdGrad {
 struct Outputs {
     y: Slot,
     last: Slot,
-    pending: Pending,
+    /// The gradients of y and of the final state, by [`Output`], left by the output ops'
+    /// backwards for the core's (`None`: zero).
+    pending: Handed,
 }
 
-/// The gradients of y and of the final state, left by the output ops' backwards for the core's
-/// (`None`: zero).
-#[derive(Default)]
-struct Pending(Mutex<[Option<Tensor>; 2]>);
-
-impl Pending {
-    /// Stores `grad`, contiguous (the backward reads it as a slice).
-    fn put(&self, out: Output, grad: &Tensor) -> Result<()> {
-        let grad = grad.contiguous()?;
-        match self.0.lock() {
-            Ok(mut slot) => {
-                slot[out as usize] = Some(grad);
-                Ok(())
-            }
-            Err(_) => bail!("ssd: gradient slot poisoned"),
-        }
-    }
-
-    /// Both gradients, once.
-    fn take(&self) -> Result<[Option<Tensor>; 2]> {
-        match self.0.lock() {
-            Ok(mut slot) => Ok(std::mem::take(&mut *slot)),
-            Err(_) => bail!("ssd: gradient slot poisoned"),
-        }
-    }
-}
-
-impl std::fmt::Debug for Pending {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Pending")
-    }
-}
-
-/// An output of the recorded SSD (its place in [`Pending`]).
+/// An output of the recorded SSD (its place in [`Outputs::pending`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Output {
     Y = 0,
@@ -143,9 +112,11 @@ impl candle_core::CustomOp1 for SsdOutput {
         }
     }
 
+    /// Leaves the gradient contiguous: the core's backward reads it as a slice.
     fn bwd(&self, core: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        self.outputs.pending.put(self.out, grad_res)?;
-        Ok(Some(Tensor::zeros(1, DType::F32, core.device())?))
+        let place = self.out as usize;
+        self.outputs.pending.set(place, grad_res.contiguous()?)?;
+        chain_grad(core)
     }
 }
 
@@ -415,7 +386,11 @@ impl CustomOp3 for SsdGrad {
             bail!("ssd: the recorded op of the CPU got tensors on another device")
         }
         let args = (values, dt, params);
-        let [dy, dlast] = self.outputs.pending.take()?;
+        let pending = &self.outputs.pending;
+        let (dy, dlast) = (
+            pending.take(Output::Y as usize)?,
+            pending.take(Output::Last as usize)?,
+        );
         let grads = (dy.as_ref(), dlast.as_ref());
         let (dv, dd, dp) = if wide(values.dtype()) {
             self.bwd_in::<f64>(args, grads)?
@@ -837,8 +812,8 @@ fn recorded_grad(arg: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
     }
 }
 
-/// The gradient of a chain link: a one-element zero, so that candle runs the link's backward.
-#[cfg(feature = "cuda")]
+/// The gradient of a one-element stand-in (a chain link, the core op's result): a zero, so that
+/// candle runs the stand-in's backward.
 fn chain_grad(link: &Tensor) -> Result<Option<Tensor>> {
     match link.track_op() {
         true => Ok(Some(Tensor::zeros(1, DType::F32, link.device())?)),
@@ -846,34 +821,42 @@ fn chain_grad(link: &Tensor) -> Result<Option<Tensor>> {
     }
 }
 
-/// The gradients [`SsdCuda`]'s backward computed for the inputs behind its chain of
-/// [`Handoff`]s, by their place in the chain (`None`: no such input).
-#[cfg(feature = "cuda")]
+/// Gradients one op's backward leaves for another's, by place: those [`SsdCuda`]'s backward
+/// computed for the inputs behind its chain of [`Handoff`]s, or those the output ops leave for
+/// the core op (`None`: no such gradient).
 #[derive(Default)]
 struct Handed(Mutex<Vec<Option<Tensor>>>);
 
-#[cfg(feature = "cuda")]
 impl Handed {
+    /// Replaces every gradient with `grads`.
+    #[cfg(feature = "cuda")]
     fn put(&self, grads: Vec<Option<Tensor>>) -> Result<()> {
-        match self.0.lock() {
-            Ok(mut slot) => {
-                *slot = grads;
-                Ok(())
+        self.with(|slot| *slot = grads)
+    }
+
+    /// Sets the gradient at `place`.
+    fn set(&self, place: usize, grad: Tensor) -> Result<()> {
+        self.with(|slot| {
+            if slot.len() <= place {
+                slot.resize(place + 1, None);
             }
-            Err(_) => bail!("ssd: gradient slot poisoned"),
-        }
+            slot[place] = Some(grad);
+        })
     }
 
     /// The gradient at `place`, once.
     fn take(&self, place: usize) -> Result<Option<Tensor>> {
+        self.with(|slot| slot.get_mut(place).and_then(Option::take))
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Vec<Option<Tensor>>) -> R) -> Result<R> {
         match self.0.lock() {
-            Ok(mut slot) => Ok(slot.get_mut(place).and_then(Option::take)),
+            Ok(mut slot) => Ok(f(&mut slot)),
             Err(_) => bail!("ssd: gradient slot poisoned"),
         }
     }
 }
 
-#[cfg(feature = "cuda")]
 impl std::fmt::Debug for Handed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Handed")
