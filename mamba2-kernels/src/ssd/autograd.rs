@@ -15,11 +15,12 @@
 //! core's, which candle runs after both. The packing is candle's own `flatten`, `cat` and
 //! `to_dtype`, so the gradients reach the caller's tensors and every `Var` behind them (e.g.
 //! `A_log` through `a = −exp(A_log)`).
-//! On the CPU the backward is [`super::grad`]. On CUDA nothing is packed: two ops, y in x's dtype
-//! and the final state in the state dtype (z's gate is applied after them by candle ops), read
-//! the held inputs and take as arguments only what routes the gradients — xbc's rows and dt, or
-//! x and b, then one-element stand-ins for the other inputs two by two (see `Route`) — and their
-//! backward is the CUDA kernels' (`super::cuda::ssd_backward`). Inference never takes this path.
+//! On the CPU the backward is [`super::grad`]. On CUDA nothing is packed: the core op reads the
+//! held inputs and takes as arguments only what routes the gradients — xbc's rows and dt, or x
+//! and b, then one-element stand-ins for the other inputs two by two (see `Route`) — with the
+//! same output ops on its result (z's gate is applied after them by candle ops); its backward is
+//! the CUDA kernels' (`super::cuda::ssd_backward`), run once for both outputs. Inference never
+//! takes this path.
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -109,6 +110,19 @@ impl candle_core::CustomOp1 for SsdOutput {
         match slot.take_storage("ssd", name)? {
             candle_core::Storage::Cpu(s) => Ok((s, self.shape.clone())),
             _ => bail!("ssd: the {name} is not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (slot, name) = self.slot();
+        match slot.take_storage("ssd", name)? {
+            candle_core::Storage::Cuda(s) => Ok((s, self.shape.clone())),
+            _ => bail!("ssd: the {name} is not on the CUDA device"),
         }
     }
 
@@ -535,11 +549,9 @@ enum Route<'a> {
     Split(&'a Tensor, &'a Tensor, &'a Tensor),
 }
 
-/// The recorded SSD on CUDA: two ops on the same inputs (see [`Route`]), one returning y (x's
-/// dtype), the other the final state (the state dtype), each with its own backward — candle ops
-/// return one tensor, and a gradient reaching only one of them costs only its share. The forward
-/// (in the first op) reads the detached tensors both hold: x, b and c contiguous (cut from xbc's
-/// rows by the caller), the parameters.
+/// The recorded SSD on CUDA: the core op on the inputs (see [`Route`]), which runs the forward,
+/// and the two output ops on its result. The forward reads the detached tensors the core holds: x,
+/// b and c contiguous (cut from xbc's rows by the caller), the parameters.
 #[cfg(feature = "cuda")]
 fn on_cuda(
     route: Route,
@@ -571,7 +583,7 @@ fn on_cuda(
         dims,
         chunk: opts.chunk_size,
         state_dtype: opts.state_dtype,
-        last: Slot::default(),
+        outputs: Arc::new(Outputs::default()),
     });
     let params = [Some(a), opts.dt.bias, opts.d, opts.initial_state];
     let (first, second, chained, rows) = match route {
@@ -579,22 +591,30 @@ fn on_cuda(
         Route::Split(x, b, c) => (x, b, vec![Some(c), Some(dt)], false),
     };
     let chained: Vec<Option<&Tensor>> = chained.into_iter().chain(params).collect();
-    let output = |out: CudaOut| -> Result<Tensor> {
-        let handed = Arc::new(Handed::default());
-        let rest = handoff_chain(&chained, &handed)?;
-        let op = SsdCuda {
-            held: held.clone(),
+    let handed = Arc::new(Handed::default());
+    let rest = handoff_chain(&chained, &handed)?;
+    let outputs = held.outputs.clone();
+    let core = SsdCore { held, rows, handed };
+    let done = first.apply_op3(second, &rest, core)?;
+    let output = |out: Output, shape: Shape| {
+        done.apply_op1(SsdOutput {
+            outputs: outputs.clone(),
             out,
-            rows,
-            handed,
-        };
-        first.apply_op3(second, &rest, op)
+            shape,
+        })
     };
-    Ok((output(CudaOut::Y)?, output(CudaOut::Last)?))
+    let y = output(
+        Output::Y,
+        Shape::from((dims.batch, dims.seqlen, dims.nheads, dims.headdim)),
+    )?;
+    let last = output(
+        Output::Last,
+        Shape::from((dims.batch, dims.nheads, dims.headdim, dims.dstate)),
+    )?;
+    Ok((y, last))
 }
 
-/// What the CUDA ops hold: the forward's inputs, detached, and the final state y's forward
-/// leaves for the final state's op.
+/// What the core op on CUDA holds: the forward's inputs, detached, and the outputs' slots.
 #[cfg(feature = "cuda")]
 struct CudaHeld {
     x: Tensor,
@@ -609,7 +629,7 @@ struct CudaHeld {
     dims: SsdDims,
     chunk: usize,
     state_dtype: DType,
-    last: Slot,
+    outputs: Arc<Outputs>,
 }
 
 #[cfg(feature = "cuda")]
@@ -623,7 +643,8 @@ impl std::fmt::Debug for CudaHeld {
 
 #[cfg(feature = "cuda")]
 impl CudaHeld {
-    fn forward(&self) -> Result<candle_core::CudaStorage> {
+    /// Runs the SSD and leaves y and the final state in the outputs' slots.
+    fn forward(&self) -> Result<()> {
         let (xs, xl) = self.x.storage_and_layout();
         let (bs, bl) = self.b.storage_and_layout();
         let (cs, cl) = self.c.storage_and_layout();
@@ -651,12 +672,13 @@ impl CudaHeld {
             state_dtype: self.state_dtype,
         };
         let (y, last) = super::cuda::ssd(&fused)?;
-        self.last.put("ssd", candle_core::Storage::Cuda(last))?;
-        Ok(y)
+        let cuda = candle_core::Storage::Cuda;
+        self.outputs.y.put("ssd", cuda(y))?;
+        self.outputs.last.put("ssd", cuda(last))
     }
 
-    /// The backward's kernels on the held inputs, given y's gradient or the final state's (the
-    /// other one zero).
+    /// The backward's kernels on the held inputs, given y's gradient and the final state's
+    /// (`None`: zero).
     fn backward(
         &self,
         dy: Option<&Tensor>,
@@ -691,23 +713,12 @@ impl CudaHeld {
     }
 }
 
-/// Which output of the recorded SSD on CUDA an op returns.
-#[cfg(feature = "cuda")]
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum CudaOut {
-    /// y; its forward runs the SSD and leaves the final state in the held slot.
-    Y,
-    /// The final state, taken from that slot.
-    Last,
-}
-
-/// One output of the recorded SSD on CUDA; the backward of each is the SSD's with the other
-/// output's gradient zero.
+/// The core of the recorded SSD on CUDA: its forward runs the SSD, its backward the backward's
+/// kernels, once for both outputs.
 #[cfg(feature = "cuda")]
 #[derive(Debug)]
-struct SsdCuda {
+struct SsdCore {
     held: Arc<CudaHeld>,
-    out: CudaOut,
     /// The first argument is xbc's rows ([`Route::Rows`]).
     rows: bool,
     /// Where the backward leaves the gradients of the inputs behind its third argument, the
@@ -716,12 +727,9 @@ struct SsdCuda {
 }
 
 #[cfg(feature = "cuda")]
-impl CustomOp3 for SsdCuda {
+impl CustomOp3 for SsdCore {
     fn name(&self) -> &'static str {
-        match self.out {
-            CudaOut::Y => "ssd",
-            CudaOut::Last => "ssd_final_state",
-        }
+        "ssd"
     }
 
     fn cpu_fwd(
@@ -738,26 +746,15 @@ impl CustomOp3 for SsdCuda {
 
     fn cuda_fwd(
         &self,
-        _: &candle_core::CudaStorage,
+        first: &candle_core::CudaStorage,
         _: &Layout,
         _: &candle_core::CudaStorage,
         _: &Layout,
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let d = self.held.dims;
-        match self.out {
-            CudaOut::Y => {
-                let y = self.held.forward()?;
-                Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
-            }
-            CudaOut::Last => match self.held.last.take_storage("ssd", "final state")? {
-                candle_core::Storage::Cuda(s) => {
-                    Ok((s, Shape::from((d.batch, d.nheads, d.headdim, d.dstate))))
-                }
-                _ => bail!("ssd: the final state is not on the CUDA device"),
-            },
-        }
+        self.held.forward()?;
+        one_zero(first)
     }
 
     /// The arguments are `(xbc, dt, chain)` or `(x, b, chain)` (see [`Route`]).
@@ -767,12 +764,14 @@ impl CustomOp3 for SsdCuda {
         second: &Tensor,
         chain: &Tensor,
         _res: &Tensor,
-        grad_res: &Tensor,
+        _grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let g = match self.out {
-            CudaOut::Y => self.held.backward(Some(grad_res), None)?,
-            CudaOut::Last => self.held.backward(None, Some(grad_res))?,
-        };
+        let pending = &self.held.outputs.pending;
+        let (dy, dlast) = (
+            pending.take(Output::Y as usize)?,
+            pending.take(Output::Last as usize)?,
+        );
+        let g = self.held.backward(dy.as_ref(), dlast.as_ref())?;
         let d = self.held.dims;
         let (dfirst, dsecond, mut chained) = if self.rows {
             let (bl, l) = (d.batch, d.seqlen);
@@ -802,6 +801,14 @@ impl CustomOp3 for SsdCuda {
     }
 }
 
+/// A one-element zero on `like`'s device: the result of the ops whose output is elsewhere.
+#[cfg(feature = "cuda")]
+fn one_zero(like: &candle_core::CudaStorage) -> Result<(candle_core::CudaStorage, Shape)> {
+    use candle_core::backend::BackendDevice;
+    let one = Shape::from(1);
+    Ok((like.device().zeros_impl(&one, DType::F32)?, one))
+}
+
 /// `grad` in `arg`'s dtype, or `None` when `arg` records no gradient (candle would add it to
 /// zeros).
 #[cfg(feature = "cuda")]
@@ -821,7 +828,7 @@ fn chain_grad(link: &Tensor) -> Result<Option<Tensor>> {
     }
 }
 
-/// Gradients one op's backward leaves for another's, by place: those [`SsdCuda`]'s backward
+/// Gradients one op's backward leaves for another's, by place: those [`SsdCore`]'s backward
 /// computed for the inputs behind its chain of [`Handoff`]s, or those the output ops leave for
 /// the core op (`None`: no such gradient).
 #[derive(Default)]
@@ -863,7 +870,7 @@ impl std::fmt::Debug for Handed {
     }
 }
 
-/// The chain standing for `inputs` as [`SsdCuda`]'s third argument: each link a [`Handoff`] on
+/// The chain standing for `inputs` as [`SsdCore`]'s third argument: each link a [`Handoff`] on
 /// two inputs and the next link; a missing input, and the last link's next, a one-element zero
 /// that records nothing.
 #[cfg(feature = "cuda")]
@@ -886,7 +893,7 @@ fn handoff_chain(inputs: &[Option<&Tensor>], handed: &Arc<Handed>) -> Result<Ten
 
 /// A link of the chain: a one-element tensor standing for the inputs at `place` and `place + 1`
 /// and the links after it. Its forward reads nothing; its backward returns the gradients
-/// [`SsdCuda`]'s backward, which candle runs first, left in [`Handed`].
+/// [`SsdCore`]'s backward, which candle runs first, left in [`Handed`].
 #[cfg(feature = "cuda")]
 #[derive(Debug)]
 struct Handoff {
@@ -921,9 +928,7 @@ impl CustomOp3 for Handoff {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendDevice;
-        let one = Shape::from(1);
-        Ok((first.device().zeros_impl(&one, DType::F32)?, one))
+        one_zero(first)
     }
 
     fn bwd(
