@@ -503,3 +503,73 @@ fn only_recording_inputs_get_gradients() -> Result<()> {
     }
     Ok(())
 }
+
+/// Each output alone gets its own gradients (the loss reading only y, or only the final state),
+/// and they add up to those of the loss on both, which the core op's backward computes once.
+#[test]
+fn each_output_alone_adds_up_to_both() -> Result<()> {
+    let dev = gpu();
+    let k = Case {
+        seqlen: 160,
+        ..BASE
+    };
+    let inp = Inputs::new(&k, 21, DType::F32)?;
+    let on = |t: &Tensor| t.to_device(&dev);
+    let vars = [on(&inp.x)?, on(&inp.dt)?, on(&inp.b)?, on(&inp.c)?].map(|t| Var::from_tensor(&t));
+    let [x, dtv, b, c] = vars;
+    let (x, dtv, b, c) = (x?, dtv?, b?, c?);
+    let init = Var::from_tensor(&on(inp.init.as_ref().expect("init"))?)?;
+    let a = on(&inp.a_log)?.exp()?.neg()?;
+    let opts = SsdOptions {
+        chunk_size: k.chunk,
+        dt: DtOptions {
+            bias: None,
+            softplus: true,
+            limit: (0.0, f32::INFINITY),
+        },
+        initial_state: Some(init.as_tensor()),
+        ..Default::default()
+    };
+    let (wy, ws) = (on(&inp.wy)?, on(&inp.ws)?);
+    let leaves = [&x, &dtv, &b, &c, &init];
+    let grads = |which: (bool, bool)| -> Result<Vec<Tensor>> {
+        let (y, last) = ssd(
+            x.as_tensor(),
+            dtv.as_tensor(),
+            &a,
+            b.as_tensor(),
+            c.as_tensor(),
+            &opts,
+        )?;
+        let mut loss = Tensor::zeros((), DType::F32, &dev)?;
+        if which.0 {
+            loss = (loss + (y * &wy)?.sum_all()?)?;
+        }
+        if which.1 {
+            loss = (loss + (last * &ws)?.sum_all()?)?;
+        }
+        let store = loss.backward()?;
+        leaves
+            .iter()
+            .map(|v| match store.get(v.as_tensor()) {
+                Some(g) => Ok(g.clone()),
+                None => v.as_tensor().zeros_like(),
+            })
+            .collect()
+    };
+    let (both, of_y, of_last) = (
+        grads((true, true))?,
+        grads((true, false))?,
+        grads((false, true))?,
+    );
+    for (i, (w, (gy, gl))) in both.iter().zip(of_y.iter().zip(&of_last)).enumerate() {
+        let sum = (gy + gl)?;
+        let scale = w.abs()?.max_all()?.to_scalar::<f32>()?;
+        let err = (sum - w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            err <= 1e-5 * scale,
+            "input {i}: off by {err:e} of {scale:e}"
+        );
+    }
+    Ok(())
+}
