@@ -286,6 +286,12 @@ fn bf16_gradients_match_the_cpu() -> Result<()> {
             chunk: 32,
             ..BASE
         },
+        Case {
+            seqlen: 100,
+            dstate: 256,
+            state_dtype: DType::BF16,
+            ..BASE
+        },
     ];
     for (i, case) in cases.iter().enumerate() {
         let worst = check(case, 31 + i as u64, DType::BF16, false)?;

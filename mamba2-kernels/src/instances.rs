@@ -60,6 +60,8 @@ pub const COMPUTE_OUT_TILES: [(usize, usize); 9] = [
     (128, 64),
     (256, 32),
 ];
+/// The (P, N) that bwd_compute_out has kernels for with both fixed at compile time.
+pub const BWD_COMPUTE_OUT_FIXED: [(usize, usize); 3] = [(64, 64), (64, 128), (64, 256)];
 /// compute_out_mma's tensor-map forms read the states as values: value type = state type.
 pub const COMPUTE_OUT_TMA_VALUES: [Ty; 1] = [Ty::Bf16];
 /// matvec's (rows, columns) per program.
@@ -219,9 +221,14 @@ pub fn bwd_state_scan(wide: bool, s: Ty) -> String {
     )
 }
 
-/// The backward of compute_out: each chunk's gradients of x, B, C, dt, a and D.
-pub fn bwd_compute_out(t: Ty, s: Ty) -> String {
-    format!("bwd_compute_out_{}_{}", t.name(), s.name())
+/// The backward of compute_out: each chunk's gradients of x, B, C, dt, a and D; `fixed`: its
+/// (P, N), one of [`BWD_COMPUTE_OUT_FIXED`], compiled in (the tensor-core value types only), else
+/// read at run time.
+pub fn bwd_compute_out(t: Ty, s: Ty, fixed: Option<(usize, usize)>) -> String {
+    match fixed {
+        Some((p, n)) => format!("bwd_compute_out_{}_{}_p{p}_n{n}", t.name(), s.name()),
+        None => format!("bwd_compute_out_{}_{}", t.name(), s.name()),
+    }
 }
 
 pub fn ssd_step(t: Ty, s: Ty, path: StepPath) -> String {
@@ -351,7 +358,7 @@ pub fn instances() -> Vec<Instance> {
             let args = [t.c(), s.c()];
             let name = bwd_chunk_state(t, s);
             add(&mut v, "ssd/bwd_pass_state", name, "BWD_CHUNK_STATE", &args);
-            let name = bwd_compute_out(t, s);
+            let name = bwd_compute_out(t, s, None);
             add(
                 &mut v,
                 "ssd/bwd_compute_out",
@@ -539,6 +546,17 @@ pub fn instances() -> Vec<Instance> {
                         add(&mut v, "ssd/fwd_pass_state", name, form.mac(), &args);
                     }
                 }
+            }
+            for (p, n) in BWD_COMPUTE_OUT_FIXED {
+                let (ps, ns) = (p.to_string(), n.to_string());
+                let name = bwd_compute_out(t, s, Some((p, n)));
+                add(
+                    &mut v,
+                    "ssd/bwd_compute_out",
+                    name,
+                    "BWD_COMPUTE_OUT_FIXED",
+                    &[t.c(), s.c(), &ps, &ns],
+                );
             }
             for (n, pt) in COMPUTE_OUT_TILES {
                 let (ns, ps) = (n.to_string(), pt.to_string());

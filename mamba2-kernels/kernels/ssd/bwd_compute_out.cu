@@ -15,7 +15,8 @@
 // 64 columns. Chunk c reads H from slot c of states and dH' from slot c + 1 of dstates (both
 // [B,H,C+1,P,N] of S). Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
 // (summed over the group's heads by atomics when it has several); ddt [B,H,L] f32 (processed
-// dt); da_part [B,H,C] f32; dd [H,P] f32 (atomics; null without D).
+// dt); da_part [B,H,C] f32; dd [H,P] f32 (atomics; null without D). The common shapes have P and
+// N compiled in (BWD_COMPUTE_OUT_FIXED), the rest read them at run time.
 #include "params.cuh"
 #include "ssd/warp_tile.cuh"
 
@@ -32,7 +33,9 @@ struct Grads {
   float* dd;
 };
 
-template <typename T, typename S>
+// PF, NF: P and N fixed at compile time (0: read from `d`), so that the tile walks unroll and
+// their column bounds fold away.
+template <typename T, typename S, int PF, int NF>
 __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ dy,
                                 const T* __restrict__ bm, const T* __restrict__ cm,
                                 const float* __restrict__ dt_out, const float* __restrict__ da,
@@ -40,7 +43,8 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
                                 const float* __restrict__ dskip, const float* __restrict__ a,
                                 const Grads& out, const m2::SsdParams& d) {
   extern __shared__ unsigned char smem_raw[];
-  const int P = d.headdim, N = d.dstate, H = d.nheads, L = d.seqlen, G = d.ngroups;
+  const int P = PF ? PF : d.headdim, N = NF ? NF : d.dstate;
+  const int H = d.nheads, L = d.seqlen, G = d.ngroups;
   const int pp = (P + 63) / 64 * 64, np = (N + 63) / 64 * 64;
   const int ldp = pp + 8, ldn = np + 8;
   T* xs = reinterpret_cast<T*>(m2::smem_aligned(smem_raw));
@@ -215,6 +219,7 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
       eg[half] = m2::exp2_fast(gs[t]);
     }
     const bool shared = hpg > 1;
+#pragma unroll 1
     for (int n0 = 0; n0 < np; n0 += 64) {
       const int nw = n0 + cw;
       float acc[4][4], st[4][4];
@@ -257,13 +262,21 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
     }
   }
 
-  // ⟨dH', H⟩ over the tile (zero padding adds nothing).
+  // ⟨dH', H⟩ over the tile, 16 bytes a step (zero padding adds nothing).
   float dot = 0.f;
-  for (int r = warp; r < pp; r += WARPS)
-    for (int col = 2 * lane; col < np; col += 64) {
-      const float2 hv = m2::load2(hs + r * ldn + col), gv = m2::load2(dhs + r * ldn + col);
-      dot += hv.x * gv.x + hv.y * gv.y;
+  {
+    constexpr int V = 16 / sizeof(T);
+    const int per_row = np / V;
+    for (int i = tid; i < pp * per_row; i += threads) {
+      const int r = i / per_row, col = (i - r * per_row) * V;
+      const uint4 hr = *reinterpret_cast<const uint4*>(hs + r * ldn + col);
+      const uint4 gr = *reinterpret_cast<const uint4*>(dhs + r * ldn + col);
+      const T* hv = reinterpret_cast<const T*>(&hr);
+      const T* gv = reinterpret_cast<const T*>(&gr);
+#pragma unroll
+      for (int k = 0; k < V; ++k) dot = fmaf(m2::to_f(hv[k]), m2::to_f(gv[k]), dot);
     }
+  }
   dot = m2::warp_sum(dot);
   if (lane == 0) red[warp] = dot;
   __syncthreads();
@@ -320,12 +333,13 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
 
 }  // namespace
 
-#define BWD_COMPUTE_OUT(NAME, T, S)                                                             \
+#define BWD_COMPUTE_OUT_FIXED(NAME, T, S, PF, NF)                                               \
   extern "C" __global__ void __launch_bounds__(256, 2)                                             \
       NAME(const T* x, const T* dy, const T* b, const T* c, const float* dt_out, const float* da, \
            const S* states, const S* dstates, const float* dskip, const float* a, void* dx,       \
            float* db, float* dc, float* ddt, float* da_part, float* dd, m2::SsdParams d) {       \
     const Grads out{dx, db, dc, ddt, da_part, dd};                                              \
-    bwd_compute_out<T, S>(x, dy, b, c, dt_out, da, states, dstates, dskip, a, out, d);          \
+    bwd_compute_out<T, S, PF, NF>(x, dy, b, c, dt_out, da, states, dstates, dskip, a, out, d);  \
   }
+#define BWD_COMPUTE_OUT(NAME, T, S) BWD_COMPUTE_OUT_FIXED(NAME, T, S, 0, 0)
 #include "ssd/bwd_compute_out.inc"

@@ -1,5 +1,7 @@
 //! Launcher of `kernels/ssd/bwd_compute_out.cu`, the backward of compute_out: one program per
-//! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory.
+//! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory. Tensor-core
+//! values at P = 64 and N of 64, 128 or 256 take a kernel with P and N compiled in (its tile walks
+//! unrolled, its column bounds folded); other shapes one that reads them at run time.
 
 use std::sync::Arc;
 
@@ -65,7 +67,11 @@ pub(super) fn launch_bwd_out(
             t.name()
         )
     }
-    let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s))?;
+    let shape = (p.headdim as usize, p.dstate as usize);
+    let fixed = (instances::MMA_VALUES.contains(&t)
+        && instances::BWD_COMPUTE_OUT_FIXED.contains(&shape))
+    .then_some(shape);
+    let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s, fixed))?;
     let grid = [
         p.nchunks as usize * p.batch as usize * p.nheads as usize,
         1,
