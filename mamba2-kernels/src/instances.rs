@@ -322,6 +322,19 @@ pub fn matvec(t: Ty, rows: usize, cols: usize, vec: bool) -> String {
     format!("matvec_{}_r{rows}_c{cols}_{kind}", t.name())
 }
 
+/// The words scatter_rows moves a row in: (bytes, C type), widest first.
+pub const ROW_WORDS: [(usize, &str); 4] = [
+    (16, "uint4"),
+    (8, "uint2"),
+    (4, "uint32_t"),
+    (2, "uint16_t"),
+];
+
+/// scatter_rows moving rows in words of `bytes`.
+pub fn scatter_rows(bytes: usize) -> String {
+    format!("scatter_rows_w{bytes}")
+}
+
 /// One kernel: the `.cu` file that defines it (under `kernels/`, without extension), its name,
 /// and the macro call in that file that instantiates it.
 #[derive(Clone, Debug)]
@@ -339,6 +352,15 @@ fn add(list: &mut Vec<Instance>, file: &'static str, name: String, mac: &str, ar
 /// Every kernel of every `.cu` file.
 pub fn instances() -> Vec<Instance> {
     let mut v = Vec::new();
+    for (bytes, word) in ROW_WORDS {
+        add(
+            &mut v,
+            "rows/rows",
+            scatter_rows(bytes),
+            "SCATTER_ROWS",
+            &[word],
+        );
+    }
     for t in VALUES {
         add(
             &mut v,
@@ -612,6 +634,7 @@ mod tests {
             "matvec/matvec",
             "loss/cross_entropy",
             "embedding/embedding",
+            "rows/rows",
         ];
         assert_eq!(files, want.into_iter().collect());
     }

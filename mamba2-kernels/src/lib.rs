@@ -51,6 +51,7 @@ mod loss;
 mod matvec;
 mod norm;
 pub mod reference;
+mod rows;
 mod slot;
 mod ssd;
 mod ssd_step;
@@ -71,6 +72,7 @@ pub use norm::{
     add_rms_norm, add_rms_norm_backward, gated_rms_norm, gated_rms_norm_backward,
     gated_rms_norm_backward_into, AddNormGrads,
 };
+pub use rows::{scatter_rows, RowIndex};
 pub use ssd::{
     chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_backward, ssd_packed, ssd_xbc, SsdGrads,
     SsdOptions,
