@@ -325,8 +325,8 @@ impl Mixer {
                 .index_select(&g.gather, 0)?
                 .reshape((rows, len, conv_dim))?;
             let dt = dt.index_select(&g.gather, 0)?.reshape((rows, len, h))?;
-            let conv0 = states.0.index_select(&g.members, 0)?;
-            let ssm0 = states.1.index_select(&g.members, 0)?;
+            let conv0 = states.0.index_select(g.members.ids(), 0)?;
+            let ssm0 = states.1.index_select(g.members.ids(), 0)?;
             let (parts, _) =
                 causal_conv1d_split(&xbc, &self.conv_weight, Some(&conv0), &conv_opts, &split)?;
             // Each sequence's conv state: its last k inputs, after its initial state (the row's

@@ -24,7 +24,7 @@ use std::path::Path;
 
 use candle_core::{bail, DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
-use mamba2_kernels::{add_rms_norm, cross_entropy, embedding, linear_cross_entropy};
+use mamba2_kernels::{add_rms_norm, cross_entropy, embedding, linear_cross_entropy, scatter_rows};
 
 use crate::cache::Cache;
 use crate::checkpoint::{Checkpoint, ModelDir};
@@ -339,22 +339,20 @@ impl Model {
     /// The final norm's output at each sequence's last token, `[S, d_model]`, of the groups of
     /// `packing` run through the whole model one after the other, each a `[rows, longest]` batch
     /// of its sequences padded at their ends (`crate::packing`); every layer's states after each
-    /// sequence's last token go to its row of `cache`. `ids` holds the packed tokens and, last,
-    /// the pads' token.
+    /// sequence's last token are written to its row of `cache` as the group's layer ends. `ids`
+    /// holds the packed tokens and, last, the pads' token.
     fn prefill_groups(&self, ids: &Tensor, packing: &Packing, cache: &mut Cache) -> Result<Tensor> {
-        let layers = self.blocks.len();
-        let (mut convs, mut ssms) = (vec![Vec::new(); layers], vec![Vec::new(); layers]);
         let (mut lasts, mut residuals) = (Vec::new(), Vec::new());
         for g in &packing.groups {
             let rows_ids = ids.index_select(&g.gather, 0)?.reshape((g.rows, g.len))?;
             let mut h = self.embed(&rows_ids)?;
             let mut residual = None;
-            for (l, block) in self.blocks.iter().enumerate() {
+            for (block, state) in self.blocks.iter().zip(cache.layers_mut()) {
                 let (normed, r) = self.norm(&h, residual.as_ref(), &block.norm)?;
                 residual = Some(r);
                 let (out, conv, ssm) = block.mixer.forward_rows(&normed, g)?;
-                convs[l].push(conv);
-                ssms[l].push(ssm);
+                scatter_rows(&state.conv, &conv, &g.members)?;
+                scatter_rows(&state.ssm, &ssm, &g.members)?;
                 h = out;
             }
             let pick = |t: &Tensor| {
@@ -364,12 +362,8 @@ impl Model {
             lasts.push(pick(&h)?);
             residuals.push(residual.as_ref().map(pick).transpose()?);
         }
-        // Back from the groups' order to the sequences'.
+        // The last rows back from the groups' order to the sequences'.
         let back = |parts: &[Tensor]| Tensor::cat(parts, 0)?.index_select(&packing.states_back, 0);
-        for ((state, conv), ssm) in cache.layers_mut().iter_mut().zip(&convs).zip(&ssms) {
-            state.conv.slice_set(&back(conv)?, 0, 0)?;
-            state.ssm.slice_set(&back(ssm)?, 0, 0)?;
-        }
         let residual = residuals
             .into_iter()
             .collect::<Option<Vec<_>>>()

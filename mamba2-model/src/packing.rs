@@ -22,6 +22,7 @@
 //! (a group's launches), so that equal lengths share one batch and very different ones do not pad.
 
 use candle_core::{Device, Result, Tensor};
+use mamba2_kernels::RowIndex;
 
 /// The raw dt of a pad: softplus(−10⁴ + bias) is exactly 0 in every float type for any bias the
 /// scan sees, and the value is finite in f16.
@@ -51,8 +52,8 @@ pub(crate) fn model_group_cost(device: &Device) -> usize {
 /// One batch: its sequences (indices into the packed order) and the row of every
 /// `[rows·len]` position.
 pub(crate) struct Group {
-    /// The sequences of its rows, u32 `[rows]`.
-    pub members: Tensor,
+    /// The sequences of its rows, `[rows]`: where each row's states go in a cache of all.
+    pub members: RowIndex,
     pub rows: usize,
     /// Its longest sequence's length, every row's length.
     pub len: usize,
@@ -168,9 +169,8 @@ impl Packing {
                 }
                 states_back[s] = u32_of(state_row + r)?;
             }
-            let members: Vec<u32> = members.iter().map(|&s| u32_of(s)).collect::<Result<_>>()?;
             groups.push(Group {
-                members: Tensor::new(members.as_slice(), device)?,
+                members: RowIndex::new(members, device)?,
                 rows,
                 len,
                 gather: Tensor::new(gather.as_slice(), device)?,
@@ -225,7 +225,7 @@ mod tests {
         assert_eq!(back, (0..11).collect::<Vec<u32>>());
         let mut members = Vec::new();
         for g in &p.groups {
-            members.extend(g.members.to_vec1::<u32>()?);
+            members.extend(g.members.ids().to_vec1::<u32>()?);
         }
         let states: Vec<u32> = p
             .states_back
