@@ -300,6 +300,34 @@ fn bf16_gradients_match_the_cpu() -> Result<()> {
     Ok(())
 }
 
+/// f16 values take the tensor-core kernels too, with P and N compiled in where they are 64 and
+/// 64, 128 or 256, and read at run time elsewhere; bf16 states are converted into their f16
+/// tiles, not copied as bits.
+#[test]
+fn f16_gradients_match_the_cpu() -> Result<()> {
+    let cases = [
+        Case {
+            dstate: 128,
+            ngroups: 1,
+            ..BASE
+        },
+        Case {
+            headdim: 48,
+            state_dtype: DType::BF16,
+            ..BASE
+        },
+        Case {
+            state_dtype: DType::BF16,
+            ..BASE
+        },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        let worst = check(case, 41 + i as u64, DType::F16, false)?;
+        println!("f16 case {i}: worst {worst:e}");
+    }
+    Ok(())
+}
+
 #[test]
 fn xbc_gradients_match_the_cpu() -> Result<()> {
     let case = Case {

@@ -152,7 +152,7 @@ __device__ __forceinline__ void stage(T* dst, int ld, const S* src, size_t strid
       ++rr;
     }
   };
-  if constexpr (sizeof(T) == sizeof(S)) {
+  if constexpr (std::is_same<T, S>::value) {
     if (wide) {
       for (; r < tile_rows; next(r, c)) {
         const bool in = r < rows && c * V < cols;
