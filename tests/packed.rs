@@ -335,6 +335,24 @@ fn prefill_packed_gives_each_prompt_its_own_logits_and_states() -> Result<()> {
     Ok(())
 }
 
+/// The shipped model in bf16: the pads' dt offsets and the conv mask take the model's dtype, and
+/// each prompt still gets its own logits and states (within bf16's 2e-2 of the largest value:
+/// a prompt alone and its padded row round differently).
+#[test]
+fn bf16_prefill_packed_gives_each_prompt_its_own_logits_and_states() -> Result<()> {
+    let weights = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("weights");
+    let model = Model::load(weights, DType::BF16, &Device::Cpu)?;
+    let mut rng = Rng::new(16);
+    let prompts: Vec<Vec<u32>> = [2usize, 70, 33, 1]
+        .iter()
+        .map(|&l| (0..l).map(|_| (rng.next_u64() % 8192) as u32).collect())
+        .collect();
+    let (ratio, worst) = check_packed(&model, &prompts, |_| 2e-2)?;
+    eprintln!("shipped model in bf16, 4 prompts: worst rel err {worst:e}");
+    assert!(ratio <= 1.0, "worst rel err {worst:e}");
+    Ok(())
+}
+
 /// A mixer of random weights (the config's shapes, G = 2 groups, `limit` its dt_limit).
 fn random_mixer(limit: &str) -> Result<(Mixer, Config)> {
     let cfg = Config::from_json(&format!(

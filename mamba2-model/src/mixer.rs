@@ -253,7 +253,8 @@ impl Mixer {
         if self.dt_limit.0 > 0.0 {
             return Ok(None);
         }
-        Packing::new(cu_seqlens, self.conv_weight.dim(1)?, cost, device).map(Some)
+        let (d_conv, dtype) = (self.conv_weight.dim(1)?, self.conv_weight.dtype());
+        Packing::new(cu_seqlens, d_conv, cost, dtype, device).map(Some)
     }
 
     /// [`Mixer::forward_packed`] in the groups of `packing` (from [`Mixer::packing`] for the same
@@ -364,7 +365,7 @@ impl Mixer {
         let (conv_dim, k) = (di + 2 * gn, self.conv_weight.dim(1)?);
         let zxbcdt = rows_linear(&self.in_proj, u)?;
         let (z, xbc, dt) = self.split(&zxbcdt)?;
-        let dt = dt.broadcast_add(&g.pads.to_dtype(dt.dtype())?)?;
+        let dt = dt.broadcast_add(&g.pads)?;
         let (parts, _) = causal_conv1d_split(
             &xbc,
             &self.conv_weight,
@@ -374,12 +375,11 @@ impl Mixer {
         )?;
         // Each sequence's conv state: its last k inputs, zeros before its first token, gathered
         // as whole rows of in_proj's output (contiguous, as candle's gather needs).
-        let mask = g.conv_mask.to_dtype(u.dtype())?;
         let conv = zxbcdt
             .reshape((rows * len, zxbcdt.dim(2)?))?
             .index_select(&g.conv_taps, 0)?
             .narrow(1, di, conv_dim)?
-            .broadcast_mul(&mask)?
+            .broadcast_mul(&g.conv_mask)?
             .reshape((rows, k, conv_dim))?
             .transpose(1, 2)?
             .contiguous()?;

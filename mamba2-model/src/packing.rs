@@ -21,7 +21,7 @@
 //! own last inputs, not the row's. The grouping minimises padded tokens plus a fixed cost per group
 //! (a group's launches), so that equal lengths share one batch and very different ones do not pad.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use mamba2_kernels::RowIndex;
 
 /// The raw dt of a pad: softplus(−10⁴ + bias) is exactly 0 in every float type for any bias the
@@ -69,10 +69,10 @@ pub(crate) struct Group {
     /// `[rows·d_conv]`.
     pub conv_taps: Tensor,
     /// For row r and tap j: 1 where `len_r − d_conv + j ≥ 0` (a token), 0 before the sequence (the
-    /// zero state); f32 `[rows·d_conv, 1]`.
+    /// zero state); `[rows·d_conv, 1]` in the model's dtype.
     pub conv_mask: Tensor,
-    /// What each position adds to its raw dt: 0 for a token, [`PAD_DT`] for a pad; f32
-    /// `[rows, len, 1]`.
+    /// What each position adds to its raw dt: 0 for a token, [`PAD_DT`] for a pad; `[rows, len, 1]`
+    /// in the model's dtype.
     pub pads: Tensor,
     /// For row r: the position `r·len + len_r − 1` of its last token; u32 `[rows]`.
     pub last: Tensor,
@@ -122,8 +122,15 @@ fn cut(sorted: &[usize], cost: usize) -> Vec<(usize, usize)> {
 
 impl Packing {
     /// The groups of the sequences `cu_seqlens` (`[0, l_0, l_0 + l_1, …, T]`, as
-    /// `mamba2_kernels::check_cu_seqlens` accepts them) for a conv of `d_conv` taps.
-    pub fn new(cu_seqlens: &[usize], d_conv: usize, cost: usize, device: &Device) -> Result<Self> {
+    /// `mamba2_kernels::check_cu_seqlens` accepts them) for a conv of `d_conv` taps, the per-position
+    /// values in `dtype` (the model's, so that no layer converts them).
+    pub fn new(
+        cu_seqlens: &[usize],
+        d_conv: usize,
+        cost: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let seqs = cu_seqlens.len() - 1;
         let total = cu_seqlens[seqs];
         let lens: Vec<usize> = cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
@@ -176,8 +183,9 @@ impl Packing {
                 gather: Tensor::new(gather.as_slice(), device)?,
                 conv_last: Tensor::new(conv_last.as_slice(), device)?,
                 conv_taps: Tensor::new(conv_taps.as_slice(), device)?,
-                conv_mask: Tensor::from_vec(conv_mask, (rows * d_conv, 1), device)?,
-                pads: Tensor::from_vec(pads, (rows, len, 1), device)?,
+                conv_mask: Tensor::from_vec(conv_mask, (rows * d_conv, 1), device)?
+                    .to_dtype(dtype)?,
+                pads: Tensor::from_vec(pads, (rows, len, 1), device)?.to_dtype(dtype)?,
                 last: Tensor::new(last.as_slice(), device)?,
             });
             out_row += rows * len;
@@ -207,7 +215,7 @@ mod tests {
     #[test]
     fn every_token_and_state_comes_back_to_its_place() -> Result<()> {
         let cu = [0, 3, 4, 9, 11];
-        let p = Packing::new(&cu, 4, 16, &Device::Cpu)?;
+        let p = Packing::new(&cu, 4, 16, DType::F32, &Device::Cpu)?;
         let rows: usize = p.groups.iter().map(|g| g.rows).sum();
         assert_eq!(rows, 4);
         // Stack the gathers as the mixer stacks its outputs, then map back: every token itself.
