@@ -27,8 +27,8 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use mamba2_kernels::{
     causal_conv1d, causal_conv1d_split, causal_conv1d_split_packed, causal_conv1d_step_split,
-    check_cu_seqlens, gated_rms_norm, matvec, ssd, ssd_packed, ssd_step, ssd_xbc, ConvOptions,
-    DtOptions, SsdOptions, StepOptions,
+    check_cu_seqlens, gated_rms_norm, matvec, scatter_rows, ssd, ssd_packed, ssd_step, ssd_xbc,
+    ConvOptions, DtOptions, SsdOptions, StepOptions,
 };
 
 use crate::cache::LayerState;
@@ -284,23 +284,27 @@ impl Mixer {
             }
         }
         let states = (&state.conv, &state.ssm);
-        let (out, conv, ssm) = match packing {
-            Some(packing) => self.run_groups(u, packing, states)?,
-            None => self.run_packed(u, cu_seqlens, Some(states))?,
-        };
-        state.conv.slice_set(&conv, 0, 0)?;
-        state.ssm.slice_set(&ssm, 0, 0)?;
-        Ok(out)
+        match packing {
+            Some(packing) => self.run_groups(u, packing, states),
+            None => {
+                let (out, conv, ssm) = self.run_packed(u, cu_seqlens, Some(states))?;
+                state.conv.slice_set(&conv, 0, 0)?;
+                state.ssm.slice_set(&ssm, 0, 0)?;
+                Ok(out)
+            }
+        }
     }
 
-    /// `(out, conv states, SSM states)` of the packed sequences of `u [1,T,d_model]` from the
-    /// `(conv, ssm)` states, one batched conv and scan per group of `packing` (its module doc).
+    /// The output of the packed sequences of `u [1,T,d_model]` from the `(conv, ssm)` states, one
+    /// batched conv and scan per group of `packing` (its module doc); each group's states after
+    /// its sequences' last tokens are written over their rows of those states as it ends (a
+    /// group reads only its own rows, before it writes them).
     fn run_groups(
         &self,
         u: &Tensor,
         packing: &Packing,
         states: (&Tensor, &Tensor),
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<Tensor> {
         let (di, h, _, gn) = self.sizes();
         let conv_dim = di + 2 * gn;
         let k = self.conv_weight.dim(1)?;
@@ -319,7 +323,7 @@ impl Mixer {
         let pad_dt = Tensor::full(PAD_DT, (1, h), dev)?.to_dtype(dt.dtype())?;
         let dt = Tensor::cat(&[&dt.squeeze(0)?, &pad_dt], 0)?;
         let (split, conv_opts) = ([di, gn, gn], self.conv_options());
-        let (mut ys, mut convs, mut ssms) = (Vec::new(), Vec::new(), Vec::new());
+        let mut ys = Vec::new();
         for g in &packing.groups {
             let (rows, len) = (g.rows, g.len);
             let xbc = xbc
@@ -335,24 +339,18 @@ impl Mixer {
             // block copy rather than strided copies of the whole group.
             let window = Tensor::cat(&[&conv0.transpose(1, 2)?.contiguous()?, &xbc], 1)?
                 .reshape((rows * (k + len), conv_dim))?;
-            convs.push(
-                window
-                    .index_select(&g.conv_last, 0)?
-                    .reshape((rows, k, conv_dim))?
-                    .transpose(1, 2)?
-                    .contiguous()?,
-            );
+            let conv = window
+                .index_select(&g.conv_last, 0)?
+                .reshape((rows, k, conv_dim))?
+                .transpose(1, 2)?
+                .contiguous()?;
             let (y, ssm) = self.scan(&parts, &dt, &self.ssd_options(u, Some(&ssm0)))?;
+            scatter_rows(states.0, &conv, &g.members)?;
+            scatter_rows(states.1, &ssm, &g.members)?;
             ys.push(y.reshape((rows * len, di))?);
-            ssms.push(ssm);
         }
-        let back = |parts: &[Tensor], index: &Tensor| Tensor::cat(parts, 0)?.index_select(index, 0);
-        let y = back(&ys, &packing.tokens_back)?;
-        Ok((
-            self.output(&y, &z)?,
-            back(&convs, &packing.states_back)?,
-            back(&ssms, &packing.states_back)?,
-        ))
+        let y = Tensor::cat(&ys, 0)?.index_select(&packing.tokens_back, 0)?;
+        self.output(&y, &z)
     }
 
     /// `(out, conv states, SSM states)` of the rows of `u [rows, len, d_model]`, one group of

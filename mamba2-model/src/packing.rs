@@ -13,7 +13,9 @@
 //! [`crate::Model::prefill_packed`] runs each group through the whole model (`Model::prefill_groups`,
 //! `Mixer::forward_rows`): the ids are gathered into the group's rows, so that no activation is
 //! gathered or scattered between layers. [`crate::Mixer::forward_packed`], which takes one packed
-//! row of activations, runs only its conv and scan in groups (`Mixer::run_groups`).
+//! row of activations, runs only its conv and scan in groups (`Mixer::run_groups`). Either way a
+//! group's states go straight to its sequences' rows of the cache (`scatter_rows`, by the group's
+//! `members`).
 //!
 //! A pad changes nothing of its sequence: it comes after the sequence's tokens (the conv and the
 //! scan are causal), its raw dt is [`PAD_DT`] (under softplus an exact 0, so the state passes it
@@ -84,8 +86,8 @@ pub(crate) struct Packing {
     /// For every packed token, its row in the groups' `[Σ rows·len]` outputs stacked in group
     /// order; u32 `[T]`.
     pub tokens_back: Tensor,
-    /// For every sequence, its row in the groups' `[Σ rows]` states stacked in group order; u32
-    /// `[S]`.
+    /// For every sequence, its row in the groups' `[Σ rows]` last positions stacked in group
+    /// order; u32 `[S]`.
     pub states_back: Tensor,
 }
 
