@@ -499,6 +499,11 @@ fn recorded(
     };
     let outputs = op.outputs.clone();
     let core = values.apply_op3(&dt.contiguous()?, &params, op)?;
+    output_ops(&core, &outputs, dims)
+}
+
+/// y `[B,L,H,P]` and the final state `[B,H,P,N]`: the two output ops on the core op's result.
+fn output_ops(core: &Tensor, outputs: &Arc<Outputs>, dims: SsdDims) -> Result<(Tensor, Tensor)> {
     let output = |out: Output, shape: Shape| {
         core.apply_op1(SsdOutput {
             outputs: outputs.clone(),
@@ -506,14 +511,9 @@ fn recorded(
             shape,
         })
     };
-    let y = output(
-        Output::Y,
-        Shape::from((dims.batch, dims.seqlen, h, dims.headdim)),
-    )?;
-    let last = output(
-        Output::Last,
-        Shape::from((dims.batch, h, dims.headdim, dims.dstate)),
-    )?;
+    let (bsz, h, p) = (dims.batch, dims.nheads, dims.headdim);
+    let y = output(Output::Y, Shape::from((bsz, dims.seqlen, h, p)))?;
+    let last = output(Output::Last, Shape::from((bsz, h, p, dims.dstate)))?;
     Ok((y, last))
 }
 
@@ -596,22 +596,7 @@ fn on_cuda(
     let outputs = held.outputs.clone();
     let core = SsdCore { held, rows, handed };
     let done = first.apply_op3(second, &rest, core)?;
-    let output = |out: Output, shape: Shape| {
-        done.apply_op1(SsdOutput {
-            outputs: outputs.clone(),
-            out,
-            shape,
-        })
-    };
-    let y = output(
-        Output::Y,
-        Shape::from((dims.batch, dims.seqlen, dims.nheads, dims.headdim)),
-    )?;
-    let last = output(
-        Output::Last,
-        Shape::from((dims.batch, dims.nheads, dims.headdim, dims.dstate)),
-    )?;
-    Ok((y, last))
+    output_ops(&done, &outputs, dims)
 }
 
 /// What the core op on CUDA holds: the forward's inputs, detached, and the outputs' slots.
