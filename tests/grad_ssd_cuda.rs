@@ -216,6 +216,15 @@ fn check(k: &Case, seed: u64, dtype: DType, xbc: bool) -> Result<f64> {
     Ok(worst)
 }
 
+/// [`check`] of each case (case i with seed `seed + i`), printing each one's worst error.
+fn check_cases(cases: &[Case], seed: u64, dtype: DType) -> Result<()> {
+    for (i, case) in cases.iter().enumerate() {
+        let worst = check(case, seed + i as u64, dtype, false)?;
+        println!("{dtype:?} case {i}: worst {worst:e}");
+    }
+    Ok(())
+}
+
 #[test]
 fn f32_gradients_match_the_cpu() -> Result<()> {
     let cases = [
@@ -252,11 +261,7 @@ fn f32_gradients_match_the_cpu() -> Result<()> {
             ..BASE
         },
     ];
-    for (i, case) in cases.iter().enumerate() {
-        let worst = check(case, 7 + i as u64, DType::F32, false)?;
-        println!("f32 case {i}: worst {worst:e}");
-    }
-    Ok(())
+    check_cases(&cases, 7, DType::F32)
 }
 
 #[test]
@@ -293,11 +298,7 @@ fn bf16_gradients_match_the_cpu() -> Result<()> {
             ..BASE
         },
     ];
-    for (i, case) in cases.iter().enumerate() {
-        let worst = check(case, 31 + i as u64, DType::BF16, false)?;
-        println!("bf16 case {i}: worst {worst:e}");
-    }
-    Ok(())
+    check_cases(&cases, 31, DType::BF16)
 }
 
 /// f16 values take the tensor-core kernels too, with P and N compiled in where they are 64 and
@@ -321,11 +322,7 @@ fn f16_gradients_match_the_cpu() -> Result<()> {
             ..BASE
         },
     ];
-    for (i, case) in cases.iter().enumerate() {
-        let worst = check(case, 41 + i as u64, DType::F16, false)?;
-        println!("f16 case {i}: worst {worst:e}");
-    }
-    Ok(())
+    check_cases(&cases, 41, DType::F16)
 }
 
 #[test]
