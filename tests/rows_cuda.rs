@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
-use common::Rng;
+use common::{rel_err, Rng};
 use mamba2::kernels::{scatter_rows, RowIndex};
 
 /// Scatters on the CPU and on CUDA from the same values and compares the whole dst.
@@ -26,10 +26,7 @@ fn same_as_cpu(
     let on_gpu = dst.to_device(&gpu)?;
     scatter_rows(&dst, &src, &RowIndex::new(rows, &cpu)?)?;
     scatter_rows(&on_gpu, &src.to_device(&gpu)?, &RowIndex::new(rows, &gpu)?)?;
-    let diff = (on_gpu.to_device(&cpu)?.to_dtype(DType::F64)? - dst.to_dtype(DType::F64)?)?
-        .abs()?
-        .max_all()?
-        .to_scalar::<f64>()?;
+    let diff = rel_err(&on_gpu.to_device(&cpu)?, &dst)?;
     assert_eq!(diff, 0.0, "{dtype:?} rows {row:?}");
     Ok(())
 }

@@ -27,8 +27,7 @@ pub(super) fn scatter_rows(
     }
     let n = ids_l.shape().elem_count();
     let row_bytes = row * src_s.dtype().size_in_bytes();
-    let dev = src_s.device.clone();
-    let stream = dev.cuda_stream();
+    let stream = src_s.device.cuda_stream();
     let (src_p, _g1) = ptr(op, "src", src_s, src_l, &stream)?;
     let (ids_p, _g2) = ptr(op, "the row index", ids_s, ids_l, &stream)?;
     let (dst_p, _g3) = ptr(op, "dst", dst_s, dst_l, &stream)?;
@@ -38,11 +37,10 @@ pub(super) fn scatter_rows(
     else {
         bail!("{op}: rows of {row_bytes} bytes at {src_p:#x} → {dst_p:#x} are not 2-byte aligned")
     };
-    let words = (row_bytes / bytes) as i64;
+    let words = row_bytes / bytes;
     let f = function(&stream, IMAGE, &instances::scatter_rows(bytes))?;
-    let pieces = (row_bytes / bytes).div_ceil(THREADS * PER);
-    let grid = [pieces, n.min(65_535), 1];
-    let count = i(n)?;
+    let grid = [words.div_ceil(THREADS * PER), n.min(65_535), 1];
+    let (count, words) = (i(n)?, words as i64);
     launch(
         &stream,
         &f,
