@@ -360,6 +360,46 @@ M2_WGMMA(16, "128",
          M2_D4(0), M2_D4(1), M2_D4(2), M2_D4(3), M2_D4(4), M2_D4(5), M2_D4(6), M2_D4(7), M2_D4(8),
          M2_D4(9), M2_D4(10), M2_D4(11), M2_D4(12), M2_D4(13), M2_D4(14), M2_D4(15))
 #undef M2_WGMMA
+
+// WgmmaSS<NJ>::run<TA, TB>: one `wgmma.mma_async m64n(8·NJ)k16` (bf16 → f32) with both operands
+// in shared memory, each by descriptor (wgmma_desc): A [64, K] K-major (TA = 0: rows of M) or
+// M-major (TA = 1: rows of K), B as in Wgmma. `accumulate` 0 overwrites d (the first K step).
+template <int NJ>
+struct WgmmaSS;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define M2_WGMMA_SS(NJ, N, DREGS, A, B, ACC, TA, TB, ...)                                  \
+  template <>                                                                                 \
+  struct WgmmaSS<NJ> {                                                                        \
+    template <int TA_, int TB_>                                                               \
+    __device__ __forceinline__ static void run(float (&d)[NJ][4], uint64_t a, uint64_t b,     \
+                                               int accumulate) {                              \
+      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " ACC ", 0;\n"                         \
+                   " wgmma.mma_async.sync.aligned.m64n" N "k16.f32.bf16.bf16 {" DREGS "}, " A  \
+                   ", " B ", p, 1, 1, " TA ", " TB ";\n}\n"                                    \
+                   : __VA_ARGS__                                                              \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(TA_), "n"(TB_));                    \
+    }                                                                                         \
+  };
+#else
+#define M2_WGMMA_SS(NJ, N, DREGS, A, B, ACC, TA, TB, ...)                               \
+  template <>                                                                             \
+  struct WgmmaSS<NJ> {                                                                    \
+    template <int TA_, int TB_>                                                           \
+    __device__ __forceinline__ static void run(float (&)[NJ][4], uint64_t, uint64_t, int) { \
+      __trap();                                                                           \
+    }                                                                                     \
+  };
+#endif
+M2_WGMMA_SS(4, "32",
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+            "%16", "%17", "%18", "%19", "%20",
+            M2_D4(0), M2_D4(1), M2_D4(2), M2_D4(3))
+M2_WGMMA_SS(8, "64",
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+            "%32", "%33", "%34", "%35", "%36",
+            M2_D4(0), M2_D4(1), M2_D4(2), M2_D4(3), M2_D4(4), M2_D4(5), M2_D4(6), M2_D4(7))
+#undef M2_WGMMA_SS
 #undef M2_D4
 
 // Two f32 values stored as a pair of T (one 8-, 4- or 4-byte store).

@@ -10,13 +10,21 @@
 //         + Σ_{s<r} r_s·x_s·(dH' B_s)
 // with col_j = dt_j·Σ_t decay_tj S_tj M_tj and row_t = Σ_s decay_ts S_ts M_ts dt_s: the pairs
 // (t ≥ r > s) that cross r, as an exclusive prefix sum whose diagonal terms cancel exactly.
-// Eight warps: warp w owns rows 16·(w mod 4) and, of every block of 64 columns, the 32 from
-// 32·⌊w / 4⌋ of every [64, ·] product; all tiles sit in shared memory, zero-padded to multiples of
-// 64 columns. Chunk c reads H from slot c of states and dH' from slot c + 1 of dstates (both
-// [B,H,C+1,P,N] of S). Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
+// Eight warps, all tiles in shared memory. Chunk c reads H from slot c of states and dH' from slot
+// c + 1 of dstates (both [B,H,C+1,P,N] of S). Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
 // (summed over the group's heads by atomics when it has several); ddt [B,H,L] f32 (processed
 // dt); da_part [B,H,C] f32; dd [H,P] f32 (atomics; null without D). The common shapes have P and
 // N compiled in (BWD_COMPUTE_OUT_FIXED), the rest read them at run time.
+// mma.sync form (any type and shape): warp w owns rows 16·(w mod 4) and, of every block of 64
+// columns, the 32 from 32·⌊w / 4⌋ of every [64, ·] product; tiles row-major, zero-padded to
+// multiples of 64 columns plus 8 (conflict-free ldmatrix).
+// wgmma form (bf16 values, P = 64 and N compiled in, sm_90a): both operands of every product by
+// descriptor from tiles of 64-column blocks swizzled as wgmma reads them, transposed operands by
+// the descriptor's major-ness (no copies); warpgroup g takes the 32 columns from 32·g of S, M and
+// dX and of each block of 64 of dB and dC. Warp w's accumulator rows are again 16·(w mod 4), so
+// both forms share every epilogue.
+#include <type_traits>
+
 #include "params.cuh"
 #include "ssd/warp_tile.cuh"
 
@@ -33,269 +41,208 @@ struct Grads {
   float* dd;
 };
 
-// PF, NF: P and N fixed at compile time (0: read from `d`), so that the tile walks unroll and
-// their column bounds fold away.
-template <typename T, typename S, int PF, int NF>
-__device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ dy,
-                                const T* __restrict__ bm, const T* __restrict__ cm,
-                                const float* __restrict__ dt_out, const float* __restrict__ da,
-                                const S* __restrict__ states, const S* __restrict__ dstates,
-                                const float* __restrict__ dskip, const float* __restrict__ a,
-                                const Grads& out, const m2::SsdParams& d) {
-  extern __shared__ unsigned char smem_raw[];
-  const int P = PF ? PF : d.headdim, N = NF ? NF : d.dstate;
-  const int H = d.nheads, L = d.seqlen, G = d.ngroups;
-  const int pp = (P + 63) / 64 * 64, np = (N + 63) / 64 * 64;
-  const int ldp = pp + 8, ldn = np + 8;
-  T* xs = reinterpret_cast<T*>(m2::smem_aligned(smem_raw));
-  T* dys = xs + TOKENS * ldp;
-  T* bs = dys + TOKENS * ldp;
-  T* cs = bs + TOKENS * ldn;
-  T* hs = cs + TOKENS * ldn;
-  T* dhs = hs + pp * ldn;
-  T* ws = dhs + pp * ldn;
-  T* as = ws + TOKENS * LDT;
-  float* dts = reinterpret_cast<float*>(as + TOKENS * LDT);
-  float* gs = dts + TOKENS;
-  float* col = gs + TOKENS;
-  float* row = col + TOKENS;
-  float* xdhb = row + TOKENS;
-  float* dyhc = xdhb + TOKENS;
-  float* ddsum = dyhc + TOKENS;
-  float* dsk = ddsum + pp;
-  float* red = dsk + pp;
+// Where element (r, c) of an mma.sync-form tile sits: rows of `ld` elements.
+struct Padded {
+  int ld;
+  __device__ __forceinline__ int operator()(int r, int c) const { return r * ld + c; }
+};
 
-  // Program i takes (batch·head, chunk) = (i mod B·H, ⌊i / B·H⌋): the heads of a chunk side by
-  // side, so that a group's heads share its B and C tiles and their dB, dC atomics in L2.
-  const int nbh = d.batch * H, bh = blockIdx.x % nbh, ci = blockIdx.x / nbh;
-  const int b = bh / H, h = bh % H;
-  const int hpg = H / G, grp = h / hpg;
-  const int l0 = ci * TOKENS, tc = min(TOKENS, L - l0);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
-  const int nch = d.nchunks;
-  m2::wait_prior_grid();
+// A program's per-token and per-channel f32 sums in shared memory: dt, the cumulative sums d,
+// col and row (the cross pairs' sums), x·(dH' B) and dy·(H C) per token; D's gradient and value
+// per channel (pp of each); one partial ⟨dH', H⟩ per warp.
+struct Sums {
+  float *dts, *gs, *col, *row, *xdhb, *dyhc, *ddsum, *dsk, *red;
+  __device__ __forceinline__ Sums(float* f, int pp)
+      : dts(f), gs(f + TOKENS), col(f + 2 * TOKENS), row(f + 3 * TOKENS), xdhb(f + 4 * TOKENS),
+        dyhc(f + 5 * TOKENS), ddsum(f + 6 * TOKENS), dsk(f + 6 * TOKENS + pp),
+        red(f + 6 * TOKENS + 2 * pp) {}
+};
 
-  const size_t bhl = static_cast<size_t>(bh) * L;
+// The sums' starting values (the caller synchronises before reading them).
+__device__ __forceinline__ void start_sums(const Sums& s, const float* dt_out, const float* da,
+                                           const float* dskip, size_t bhl, int l0, int tc, int h,
+                                           int P, int pp, bool per_channel, int tid, int threads) {
   for (int t = tid; t < TOKENS; t += threads) {
-    dts[t] = t < tc ? dt_out[bhl + l0 + t] : 0.f;
-    gs[t] = da[bhl + l0 + min(t, tc - 1)];
-    col[t] = 0.f;
-    row[t] = 0.f;
-    xdhb[t] = 0.f;
-    dyhc[t] = 0.f;
+    s.dts[t] = t < tc ? dt_out[bhl + l0 + t] : 0.f;
+    s.gs[t] = da[bhl + l0 + min(t, tc - 1)];
+    s.col[t] = 0.f;
+    s.row[t] = 0.f;
+    s.xdhb[t] = 0.f;
+    s.dyhc[t] = 0.f;
   }
   for (int j = tid; j < pp; j += threads) {
-    ddsum[j] = 0.f;
-    dsk[j] = !dskip || j >= P ? 0.f : d.d_per_channel ? dskip[h * P + j] : dskip[h];
+    s.ddsum[j] = 0.f;
+    s.dsk[j] = !dskip || j >= P ? 0.f : per_channel ? dskip[h * P + j] : dskip[h];
   }
-  const size_t tok = static_cast<size_t>(b) * L + l0;
-  const size_t xo = (tok * H + h) * P, xstride = static_cast<size_t>(H) * P;
-  const size_t bo = (tok * G + grp) * N, bstride = static_cast<size_t>(G) * N;
-  const size_t pn = static_cast<size_t>(P) * N;
-  m2::stage(xs, ldp, x + xo, xstride, tc, P, TOKENS, pp, tid, threads);
-  m2::stage(dys, ldp, dy + xo, xstride, tc, P, TOKENS, pp, tid, threads);
-  m2::stage(bs, ldn, bm + bo, bstride, tc, N, TOKENS, np, tid, threads);
-  m2::stage(cs, ldn, cm + bo, bstride, tc, N, TOKENS, np, tid, threads);
-  m2::stage(hs, ldn, states + (static_cast<size_t>(bh) * (nch + 1) + ci) * pn, N, P, N, pp, np,
-            tid, threads);
-  m2::stage(dhs, ldn, dstates + (static_cast<size_t>(bh) * (nch + 1) + ci + 1) * pn, N, P, N, pp,
-            np, tid, threads);
-  m2::stage_wait();
-  __syncthreads();
+}
 
-  // This warp's rows m0.. and its columns cw.. of each block of 64.
-  const int m0 = warp % 4 * 16, cw = warp / 4 * 32;
-  const float g_last = gs[TOKENS - 1];
-  // S = C·Bᵀ and M = dY·Xᵀ, then W, A and the sums of decay∘S∘M.
-  {
-    float sacc[4][4], macc[4][4];
-    m2::zero(sacc);
-    m2::zero(macc);
-    m2::WarpTile<T, false, false, 4>::mma(sacc, cs, ldn, bs, ldn, m0, cw, np, lane);
-    m2::WarpTile<T, false, false, 4>::mma(macc, dys, ldp, xs, ldp, m0, cw, pp, lane);
-    float rz[2] = {0.f, 0.f};
+// From this warp's S and M accumulators (rows m0.., columns cw..): W and A into their tiles
+// (zero above the diagonal and past the sequence), decay∘S∘M summed into col and row.
+template <typename T, typename Idx>
+__device__ __forceinline__ void w_and_a(const float (&sacc)[4][4], const float (&macc)[4][4],
+                                        int m0, int cw, int tc, const Sums& s, T* ws, T* as,
+                                        Idx at, int lane) {
+  float rz[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float cz[2] = {0.f, 0.f};
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int t = m0 + m2::acc_row(lane, 2 * half);
-        float wv[2], av[2];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const int e = 2 * half + k, s = cw + 8 * j + m2::acc_col(lane, e);
-          wv[k] = 0.f;
-          av[k] = 0.f;
-          if (s <= t && t < tc) {
-            const float decay = m2::exp2_fast(gs[t] - gs[s]);
-            const float v = decay * sacc[j][e] * macc[j][e];
-            const float ed = decay * dts[s];
-            wv[k] = ed * sacc[j][e];
-            av[k] = ed * macc[j][e];
-            rz[half] += v * dts[s];
-            cz[k] += v;
-          }
-        }
-        m2::store2<T>(ws + t * LDT + cw + 8 * j + m2::acc_col(lane, 0), wv[0], wv[1]);
-        m2::store2<T>(as + t * LDT + cw + 8 * j + m2::acc_col(lane, 0), av[0], av[1]);
-      }
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const float v = m2::column_sum(cz[k]);
-        if (lane < 4) atomicAdd(&col[cw + 8 * j + m2::acc_col(lane, k)], v);
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float v = m2::quad_sum(rz[half]);
-      if ((lane & 3) == 0) atomicAdd(&row[m0 + m2::acc_row(lane, 2 * half)], v);
-    }
-  }
-  __syncthreads();
-
-  // dX = Wᵀ·dY + D·dY + diag(r)·(B·dH'ᵀ); x_s·(dH' B_s) and D's gradient on the way.
-  {
-    float xb[2] = {0.f, 0.f};
-    float rs[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int s = m0 + m2::acc_row(lane, 2 * half);
-      rs[half] = m2::exp2_fast(g_last - gs[s]) * dts[s];
-    }
-    for (int p0 = 0; p0 < pp; p0 += 64) {
-      float acc[4][4], st[4][4];
-      m2::zero(acc);
-      m2::zero(st);
-      m2::WarpTile<T, true, true, 4>::mma(acc, ws, LDT, dys, ldp, m0, p0 + cw, TOKENS, lane);
-      m2::WarpTile<T, false, false, 4>::mma(st, bs, ldn, dhs, ldn, m0, p0 + cw, np, lane);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float dsum[2] = {0.f, 0.f};
-        const int c0 = p0 + cw + 8 * j + m2::acc_col(lane, 0);
-        const float2 skip = *reinterpret_cast<const float2*>(dsk + c0);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int s = m0 + m2::acc_row(lane, 2 * half), e = 2 * half;
-          const float2 xv = m2::load2(xs + s * ldp + c0), dv = m2::load2(dys + s * ldp + c0);
-          xb[half] += xv.x * st[j][e] + xv.y * st[j][e + 1];
-          dsum[0] += xv.x * dv.x;
-          dsum[1] += xv.y * dv.y;
-          const float v[2] = {acc[j][e] + rs[half] * st[j][e] + skip.x * dv.x,
-                              acc[j][e + 1] + rs[half] * st[j][e + 1] + skip.y * dv.y};
-          if (s < tc) {
-            T* dst = static_cast<T*>(out.dx) + xo + static_cast<size_t>(s) * xstride + c0;
-            if (c0 + 1 < P && (P & 1) == 0) {
-              m2::store2<T>(dst, v[0], v[1]);
-            } else {
-              if (c0 < P) dst[0] = m2::from_f<T>(v[0]);
-              if (c0 + 1 < P) dst[1] = m2::from_f<T>(v[1]);
-            }
-          }
-        }
-        if (out.dd) {
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const float v = m2::column_sum(dsum[k]);
-            if (lane < 4) atomicAdd(&ddsum[c0 + k], v);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float v = m2::quad_sum(xb[half]);
-      if ((lane & 3) == 0) atomicAdd(&xdhb[m0 + m2::acc_row(lane, 2 * half)], v);
-    }
-  }
-
-  // dB = Aᵀ·C + diag(r)·(X·dH') and dC = A·B + diag(exp2(d))·(dY·H), 64 columns at a time.
-  {
-    float yc[2] = {0.f, 0.f};
-    float rs[2], eg[2];
+  for (int j = 0; j < 4; ++j) {
+    float cz[2] = {0.f, 0.f};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = m0 + m2::acc_row(lane, 2 * half);
-      rs[half] = m2::exp2_fast(g_last - gs[t]) * dts[t];
-      eg[half] = m2::exp2_fast(gs[t]);
-    }
-    const bool shared = hpg > 1;
-#pragma unroll 1
-    for (int n0 = 0; n0 < np; n0 += 64) {
-      const int nw = n0 + cw;
-      float acc[4][4], st[4][4];
-      m2::zero(acc);
-      m2::zero(st);
-      m2::WarpTile<T, true, true, 4>::mma(acc, as, LDT, cs, ldn, m0, nw, TOKENS, lane);
-      m2::WarpTile<T, false, true, 4>::mma(st, xs, ldp, dhs, ldn, m0, nw, pp, lane);
-      float* db = out.db + bo;
+      float wv[2], av[2];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = acc[j][e] + rs[e >> 1] * st[j][e];
-        m2::add_tile(db, bstride, v, m0, nw + 8 * j, tc, N, shared, lane);
-      }
-      m2::zero(acc);
-      m2::zero(st);
-      m2::WarpTile<T, false, true, 4>::mma(acc, as, LDT, bs, ldn, m0, nw, TOKENS, lane);
-      m2::WarpTile<T, false, true, 4>::mma(st, dys, ldp, hs, ldn, m0, nw, pp, lane);
-      float* dc = out.dc + bo;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float v[4];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int t = m0 + m2::acc_row(lane, 2 * half), n = nw + 8 * j + m2::acc_col(lane, 0);
-          const float2 cv = m2::load2(cs + t * ldn + n);
-          const int e = 2 * half;
-          yc[half] += st[j][e] * cv.x + st[j][e + 1] * cv.y;
-          v[e] = acc[j][e] + eg[half] * st[j][e];
-          v[e + 1] = acc[j][e + 1] + eg[half] * st[j][e + 1];
+      for (int k = 0; k < 2; ++k) {
+        const int e = 2 * half + k, c = cw + 8 * j + m2::acc_col(lane, e);
+        wv[k] = 0.f;
+        av[k] = 0.f;
+        if (c <= t && t < tc) {
+          const float decay = m2::exp2_fast(s.gs[t] - s.gs[c]);
+          const float v = decay * sacc[j][e] * macc[j][e];
+          const float ed = decay * s.dts[c];
+          wv[k] = ed * sacc[j][e];
+          av[k] = ed * macc[j][e];
+          rz[half] += v * s.dts[c];
+          cz[k] += v;
         }
-        m2::add_tile(dc, bstride, v, m0, nw + 8 * j, tc, N, shared, lane);
       }
+      const int c0 = cw + 8 * j + m2::acc_col(lane, 0);
+      m2::store2<T>(ws + at(t, c0), wv[0], wv[1]);
+      m2::store2<T>(as + at(t, c0), av[0], av[1]);
     }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float v = m2::column_sum(cz[k]);
+      if (lane < 4) atomicAdd(&s.col[cw + 8 * j + m2::acc_col(lane, k)], v);
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float v = m2::quad_sum(rz[half]);
+    if ((lane & 3) == 0) atomicAdd(&s.row[m0 + m2::acc_row(lane, 2 * half)], v);
+  }
+}
+
+// dX at rows m0.. and the columns from c1 of this warp's accumulators: acc = (Wᵀ·dY), st =
+// (B·dH'ᵀ); dx = acc + r·st + D·dy. Adds x·st to xb (x_s·(dH' B_s)) and, with D, x·dy to D's
+// gradient.
+template <typename T, typename Idx>
+__device__ __forceinline__ void dx_cols(const float (&acc)[4][4], const float (&st)[4][4], int m0,
+                                        int c1, int tc, int P, const T* xs, const T* dys, Idx at,
+                                        const float (&rs)[2], const Sums& s, float (&xb)[2],
+                                        T* dx, size_t xstride, bool dd, int lane) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float dsum[2] = {0.f, 0.f};
+    const int c0 = c1 + 8 * j + m2::acc_col(lane, 0);
+    const float2 skip = *reinterpret_cast<const float2*>(s.dsk + c0);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float v = m2::quad_sum(yc[half]);
-      if ((lane & 3) == 0) atomicAdd(&dyhc[m0 + m2::acc_row(lane, 2 * half)], v);
+      const int r = m0 + m2::acc_row(lane, 2 * half), e = 2 * half;
+      const float2 xv = m2::load2(xs + at(r, c0)), dv = m2::load2(dys + at(r, c0));
+      xb[half] += xv.x * st[j][e] + xv.y * st[j][e + 1];
+      dsum[0] += xv.x * dv.x;
+      dsum[1] += xv.y * dv.y;
+      const float v[2] = {acc[j][e] + rs[half] * st[j][e] + skip.x * dv.x,
+                          acc[j][e + 1] + rs[half] * st[j][e + 1] + skip.y * dv.y};
+      if (r < tc) {
+        T* dst = dx + static_cast<size_t>(r) * xstride + c0;
+        if (c0 + 1 < P && (P & 1) == 0) {
+          m2::store2<T>(dst, v[0], v[1]);
+        } else {
+          if (c0 < P) dst[0] = m2::from_f<T>(v[0]);
+          if (c0 + 1 < P) dst[1] = m2::from_f<T>(v[1]);
+        }
+      }
     }
-  }
-
-  // ⟨dH', H⟩ over the tile, 16 bytes a step (zero padding adds nothing).
-  float dot = 0.f;
-  {
-    constexpr int V = 16 / sizeof(T);
-    const int per_row = np / V;
-    for (int i = tid; i < pp * per_row; i += threads) {
-      const int r = i / per_row, col = (i - r * per_row) * V;
-      const uint4 hr = *reinterpret_cast<const uint4*>(hs + r * ldn + col);
-      const uint4 gr = *reinterpret_cast<const uint4*>(dhs + r * ldn + col);
-      const T* hv = reinterpret_cast<const T*>(&hr);
-      const T* gv = reinterpret_cast<const T*>(&gr);
+    if (dd) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) dot = fmaf(m2::to_f(hv[k]), m2::to_f(gv[k]), dot);
+      for (int k = 0; k < 2; ++k) {
+        const float v = m2::column_sum(dsum[k]);
+        if (lane < 4) atomicAdd(&s.ddsum[c0 + k], v);
+      }
     }
   }
+}
+
+// A per-row sum of this warp's accumulator rows into `sums` (one lane of each quad adds).
+__device__ __forceinline__ void add_rows(float* sums, const float (&v)[2], int m0, int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float q = m2::quad_sum(v[half]);
+    if ((lane & 3) == 0) atomicAdd(&sums[m0 + m2::acc_row(lane, 2 * half)], q);
+  }
+}
+
+// dB (or, `ctile`, dC) at rows m0.. and the columns from n1: acc + scale·st, where for dB acc =
+// Aᵀ·C, st = X·dH', scale = r; for dC acc = A·B, st = dY·H, scale = exp2(d) and st·c is added to
+// yc (dy·(H C) per token).
+template <int NJ, typename T, typename Idx>
+__device__ __forceinline__ void grad_cols(const float (&acc)[NJ][4], const float (&st)[NJ][4],
+                                          const float (&scale)[2], int m0, int n1, int tc, int N,
+                                          const T* ctile, Idx at, float (&yc)[2], float* out,
+                                          size_t stride, bool shared, int lane) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    float v[4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int e = 2 * half;
+      if (ctile) {
+        const int t = m0 + m2::acc_row(lane, e), n = n1 + 8 * j + m2::acc_col(lane, 0);
+        const float2 cv = m2::load2(ctile + at(t, n));
+        yc[half] += st[j][e] * cv.x + st[j][e + 1] * cv.y;
+      }
+      v[e] = acc[j][e] + scale[half] * st[j][e];
+      v[e + 1] = acc[j][e + 1] + scale[half] * st[j][e + 1];
+    }
+    m2::add_tile(out, stride, v, m0, n1 + 8 * j, tc, N, shared, lane);
+  }
+}
+
+// This thread's part of ⟨dH', H⟩ over [rows, cols] of two tiles of equal layout (rows `ld`
+// apart; zero padding adds nothing), 16 bytes a step.
+template <typename T>
+__device__ __forceinline__ float tile_dot(const T* hs, const T* dhs, int rows, int cols, int ld,
+                                          int tid, int threads) {
+  constexpr int V = 16 / sizeof(T);
+  const int per_row = cols / V;
+  float dot = 0.f;
+  for (int i = tid; i < rows * per_row; i += threads) {
+    const int r = i / per_row, col = (i - r * per_row) * V;
+    const uint4 hr = *reinterpret_cast<const uint4*>(hs + r * ld + col);
+    const uint4 gr = *reinterpret_cast<const uint4*>(dhs + r * ld + col);
+    const T* hv = reinterpret_cast<const T*>(&hr);
+    const T* gv = reinterpret_cast<const T*>(&gr);
+#pragma unroll
+    for (int k = 0; k < V; ++k) dot = fmaf(m2::to_f(hv[k]), m2::to_f(gv[k]), dot);
+  }
+  return dot;
+}
+
+// The program's end: ⟨dH', H⟩ summed, D's gradient out, then warp 0 forms q, ddt and da (two
+// tokens per lane, prefix sums across the warp).
+__device__ __forceinline__ void finish(float dot, const Sums& s, const float* a, const Grads& out,
+                                       int h, int P, int bh, int ci, int nch, size_t bhl, int l0,
+                                       int tc, int tid, int threads) {
+  const int lane = tid & 31, warp = tid >> 5;
   dot = m2::warp_sum(dot);
-  if (lane == 0) red[warp] = dot;
+  if (lane == 0) s.red[warp] = dot;
   __syncthreads();
   if (out.dd)
-    for (int j = tid; j < P; j += threads) atomicAdd(&out.dd[h * P + j], ddsum[j]);
+    for (int j = tid; j < P; j += threads) atomicAdd(&out.dd[h * P + j], s.ddsum[j]);
   if (warp != 0) return;
 
-  // q, ddt and da: two tokens per lane, prefix sums across the warp.
   float state_dot = 0.f;
-  for (int w = 0; w < WARPS; ++w) state_dot += red[w];
-  const float ah = a[h];
+  for (int w = 0; w < WARPS; ++w) state_dot += s.red[w];
+  const float ah = a[h], g_last = s.gs[TOKENS - 1];
   const int t0 = 2 * lane;
   float cross[2], before[2], tail[2];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int t = t0 + k;
-    cross[k] = dts[t] * col[t] - row[t];
-    before[k] = m2::exp2_fast(g_last - gs[t]) * dts[t] * xdhb[t];
-    tail[k] = m2::exp2_fast(gs[t]) * dyhc[t];
+    cross[k] = s.dts[t] * s.col[t] - s.row[t];
+    before[k] = m2::exp2_fast(g_last - s.gs[t]) * s.dts[t] * s.xdhb[t];
+    tail[k] = m2::exp2_fast(s.gs[t]) * s.dyhc[t];
   }
   // Inclusive scans over lanes of the pair sums.
   float sc = cross[0] + cross[1], sb = before[0] + before[1], stl = tail[0] + tail[1];
@@ -320,15 +267,340 @@ __device__ void bwd_compute_out(const T* __restrict__ x, const T* __restrict__ d
   for (int k = 0; k < 2; ++k) {
     const int t = t0 + k;
     const float q = (total_tail - pt) + state_term + pc + pb;
-    const float ddt = col[t] + m2::exp2_fast(g_last - gs[t]) * xdhb[t] + ah * q;
+    const float ddt = s.col[t] + m2::exp2_fast(g_last - s.gs[t]) * s.xdhb[t] + ah * q;
     if (t < tc) out.ddt[bhl + l0 + t] = ddt;
-    part += dts[t] * q;
+    part += s.dts[t] * q;
     pc += cross[k];
     pb += before[k];
     pt += tail[k];
   }
   part = m2::warp_sum(part);
   if (lane == 0) out.da_part[static_cast<size_t>(bh) * nch + ci] = part;
+}
+
+// PF, NF: P and N fixed at compile time (0: read from `d`), so that the tile walks unroll and
+// their column bounds fold away.
+template <typename T, typename S, int PF, int NF>
+__device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict__ dy,
+                                    const T* __restrict__ bm, const T* __restrict__ cm,
+                                    const float* __restrict__ dt_out, const float* __restrict__ da,
+                                    const S* __restrict__ states, const S* __restrict__ dstates,
+                                    const float* __restrict__ dskip, const float* __restrict__ a,
+                                    const Grads& out, const m2::SsdParams& d) {
+  extern __shared__ unsigned char smem_raw[];
+  const int P = PF ? PF : d.headdim, N = NF ? NF : d.dstate;
+  const int H = d.nheads, L = d.seqlen, G = d.ngroups;
+  const int pp = (P + 63) / 64 * 64, np = (N + 63) / 64 * 64;
+  const int ldp = pp + 8, ldn = np + 8;
+  T* xs = reinterpret_cast<T*>(m2::smem_aligned(smem_raw));
+  T* dys = xs + TOKENS * ldp;
+  T* bs = dys + TOKENS * ldp;
+  T* cs = bs + TOKENS * ldn;
+  T* hs = cs + TOKENS * ldn;
+  T* dhs = hs + pp * ldn;
+  T* ws = dhs + pp * ldn;
+  T* as = ws + TOKENS * LDT;
+  const Sums sums(reinterpret_cast<float*>(as + TOKENS * LDT), pp);
+
+  // Program i takes (batch·head, chunk) = (i mod B·H, ⌊i / B·H⌋): the heads of a chunk side by
+  // side, so that a group's heads share its B and C tiles and their dB, dC atomics in L2.
+  const int nbh = d.batch * H, bh = blockIdx.x % nbh, ci = blockIdx.x / nbh;
+  const int b = bh / H, h = bh % H;
+  const int hpg = H / G, grp = h / hpg;
+  const int l0 = ci * TOKENS, tc = min(TOKENS, L - l0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
+  const int nch = d.nchunks;
+  m2::wait_prior_grid();
+
+  const size_t bhl = static_cast<size_t>(bh) * L;
+  start_sums(sums, dt_out, da, dskip, bhl, l0, tc, h, P, pp, d.d_per_channel, tid, threads);
+  const size_t tok = static_cast<size_t>(b) * L + l0;
+  const size_t xo = (tok * H + h) * P, xstride = static_cast<size_t>(H) * P;
+  const size_t bo = (tok * G + grp) * N, bstride = static_cast<size_t>(G) * N;
+  const size_t pn = static_cast<size_t>(P) * N;
+  m2::stage(xs, ldp, x + xo, xstride, tc, P, TOKENS, pp, tid, threads);
+  m2::stage(dys, ldp, dy + xo, xstride, tc, P, TOKENS, pp, tid, threads);
+  m2::stage(bs, ldn, bm + bo, bstride, tc, N, TOKENS, np, tid, threads);
+  m2::stage(cs, ldn, cm + bo, bstride, tc, N, TOKENS, np, tid, threads);
+  m2::stage(hs, ldn, states + (static_cast<size_t>(bh) * (nch + 1) + ci) * pn, N, P, N, pp, np,
+            tid, threads);
+  m2::stage(dhs, ldn, dstates + (static_cast<size_t>(bh) * (nch + 1) + ci + 1) * pn, N, P, N, pp,
+            np, tid, threads);
+  m2::stage_wait();
+  __syncthreads();
+
+  // This warp's rows m0.. and its columns cw.. of each block of 64.
+  const int m0 = warp % 4 * 16, cw = warp / 4 * 32;
+  const float g_last = sums.gs[TOKENS - 1];
+  // S = C·Bᵀ and M = dY·Xᵀ, then W, A and the sums of decay∘S∘M.
+  {
+    float sacc[4][4], macc[4][4];
+    m2::zero(sacc);
+    m2::zero(macc);
+    m2::WarpTile<T, false, false, 4>::mma(sacc, cs, ldn, bs, ldn, m0, cw, np, lane);
+    m2::WarpTile<T, false, false, 4>::mma(macc, dys, ldp, xs, ldp, m0, cw, pp, lane);
+    w_and_a(sacc, macc, m0, cw, tc, sums, ws, as, Padded{LDT}, lane);
+  }
+  __syncthreads();
+
+  // dX = Wᵀ·dY + D·dY + diag(r)·(B·dH'ᵀ); x_s·(dH' B_s) and D's gradient on the way.
+  {
+    float xb[2] = {0.f, 0.f};
+    float rs[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = m0 + m2::acc_row(lane, 2 * half);
+      rs[half] = m2::exp2_fast(g_last - sums.gs[s]) * sums.dts[s];
+    }
+    for (int p0 = 0; p0 < pp; p0 += 64) {
+      float acc[4][4], st[4][4];
+      m2::zero(acc);
+      m2::zero(st);
+      m2::WarpTile<T, true, true, 4>::mma(acc, ws, LDT, dys, ldp, m0, p0 + cw, TOKENS, lane);
+      m2::WarpTile<T, false, false, 4>::mma(st, bs, ldn, dhs, ldn, m0, p0 + cw, np, lane);
+      dx_cols(acc, st, m0, p0 + cw, tc, P, xs, dys, Padded{ldp}, rs, sums, xb,
+              static_cast<T*>(out.dx) + xo, xstride, out.dd, lane);
+    }
+    add_rows(sums.xdhb, xb, m0, lane);
+  }
+
+  // dB = Aᵀ·C + diag(r)·(X·dH') and dC = A·B + diag(exp2(d))·(dY·H), 64 columns at a time.
+  {
+    float yc[2] = {0.f, 0.f}, unused[2] = {0.f, 0.f};
+    float rs[2], eg[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = m0 + m2::acc_row(lane, 2 * half);
+      rs[half] = m2::exp2_fast(g_last - sums.gs[t]) * sums.dts[t];
+      eg[half] = m2::exp2_fast(sums.gs[t]);
+    }
+    const bool shared = hpg > 1;
+#pragma unroll 1
+    for (int n0 = 0; n0 < np; n0 += 64) {
+      const int nw = n0 + cw;
+      float acc[4][4], st[4][4];
+      m2::zero(acc);
+      m2::zero(st);
+      m2::WarpTile<T, true, true, 4>::mma(acc, as, LDT, cs, ldn, m0, nw, TOKENS, lane);
+      m2::WarpTile<T, false, true, 4>::mma(st, xs, ldp, dhs, ldn, m0, nw, pp, lane);
+      grad_cols(acc, st, rs, m0, nw, tc, N, static_cast<const T*>(nullptr), Padded{ldn}, unused,
+                out.db + bo, bstride, shared, lane);
+      m2::zero(acc);
+      m2::zero(st);
+      m2::WarpTile<T, false, true, 4>::mma(acc, as, LDT, bs, ldn, m0, nw, TOKENS, lane);
+      m2::WarpTile<T, false, true, 4>::mma(st, dys, ldp, hs, ldn, m0, nw, pp, lane);
+      grad_cols(acc, st, eg, m0, nw, tc, N, static_cast<const T*>(cs), Padded{ldn}, yc,
+                out.dc + bo, bstride, shared, lane);
+    }
+    add_rows(sums.dyhc, yc, m0, lane);
+  }
+
+  finish(tile_dot(hs, dhs, pp, np, ldn, tid, threads), sums, a, out, h, P, bh, ci, nch, bhl, l0,
+         tc, tid, threads);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+using bf16 = __nv_bfloat16;
+
+// Where element (r, c) of a wgmma-form tile sits: blocks of 64 columns of TOKENS rows each (every wgmma-form tile has TOKENS = P rows),
+// 16-byte chunks swizzled within each 128-byte row (m2::swz<128>, wgmma's 128-byte pattern).
+struct Swizzled {
+  __device__ __forceinline__ int operator()(int r, int c) const {
+    return (c >> 6) * TOKENS * 64 + m2::swz<128>(r, (c & 63) >> 3) + (c & 7);
+  }
+};
+
+// Rows [0, len) of a [TOKENS, 64] block of S (global rows `stride` elements apart) into a
+// Swizzled block of bf16, the rest zero: by cp.async when S is bf16 and `wide` (16-byte aligned
+// rows), else converted through registers.
+template <typename S>
+__device__ __forceinline__ void block_in(bf16* dst, const S* src, size_t stride, int len, bool wide,
+                                         int tid, int threads) {
+  if constexpr (std::is_same<S, bf16>::value) {
+    if (wide) {
+      m2::load_tile<64>(dst, src, static_cast<uint32_t>(stride), TOKENS, len, tid, threads);
+      return;
+    }
+  }
+  for (int i = tid; i < TOKENS * 8; i += threads) {
+    const int r = i >> 3, ch = i & 7;
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const S* p = src + r * stride + ch * 8 + 2 * k;
+      w[k] = r < len ? m2::Mma<bf16>::pack(m2::to_f(p[0]), m2::to_f(p[1])) : 0u;
+    }
+    *reinterpret_cast<uint4*>(dst + m2::swz<128>(r, ch)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// The descriptor of a Swizzled tile at shared address `base` from element (r, c): the rows are
+// M or N and c the K offset of a K-major operand, or the rows are K and c the M or N offset of an
+// MN-major one (a range within one 64-column block either way).
+__device__ __forceinline__ uint64_t desc_at(uint32_t base, int r, int c) {
+  return m2::wgmma_desc<128>(base + ((c >> 6) * TOKENS + r) * 128 + (c & 63) * 2);
+}
+
+// One warpgroup's D (+)= A·B over K = 16·KS, A and B described from (ra, ca) and (rb, cb) with
+// the K offset 16·ks added to the K-major operand's column or the MN-major operand's row.
+template <int NJ, int TA, int TB, int KS>
+__device__ __forceinline__ void product(float (&acc)[NJ][4], uint32_t a, int ra, int ca, uint32_t b,
+                                        int rb, int cb) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    const int k = 16 * ks;
+    m2::WgmmaSS<NJ>::template run<TA, TB>(acc, desc_at(a, TA ? ra + k : ra, TA ? ca : ca + k),
+                                          desc_at(b, TB ? rb + k : rb, TB ? cb : cb + k), ks > 0);
+  }
+}
+
+template <int NJ>
+__device__ __forceinline__ void products_done(float (&acc)[NJ][4], float (&st)[NJ][4]) {
+  m2::wgmma_commit();
+  m2::wgmma_wait<0>();
+  m2::wgmma_hold(acc);
+  m2::wgmma_hold(st);
+}
+
+template <typename S, int N>
+__device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __restrict__ dy,
+                                      const bf16* __restrict__ bm, const bf16* __restrict__ cm,
+                                      const float* __restrict__ dt_out,
+                                      const float* __restrict__ da, const S* __restrict__ states,
+                                      const S* __restrict__ dstates,
+                                      const float* __restrict__ dskip,
+                                      const float* __restrict__ a, const Grads& out,
+                                      const m2::SsdParams& d) {
+  constexpr int P = 64, NB = N / 64, BLOCK = TOKENS * 64;
+  extern __shared__ unsigned char smem_raw[];
+  bf16* xs = reinterpret_cast<bf16*>(m2::smem_aligned<1024>(smem_raw));
+  bf16* dys = xs + BLOCK;
+  bf16* bs = dys + BLOCK;
+  bf16* cs = bs + NB * BLOCK;
+  bf16* hs = cs + NB * BLOCK;
+  bf16* dhs = hs + NB * BLOCK;
+  bf16* ws = dhs + NB * BLOCK;
+  bf16* as = ws + BLOCK;
+  const Sums sums(reinterpret_cast<float*>(as + BLOCK), P);
+
+  const int H = d.nheads, L = d.seqlen, G = d.ngroups;
+  const int nbh = d.batch * H, bh = blockIdx.x % nbh, ci = blockIdx.x / nbh;
+  const int b = bh / H, h = bh % H;
+  const int hpg = H / G, grp = h / hpg;
+  const int l0 = ci * TOKENS, tc = min(TOKENS, L - l0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
+  const int nch = d.nchunks;
+  m2::wait_prior_grid();
+
+  const size_t bhl = static_cast<size_t>(bh) * L;
+  start_sums(sums, dt_out, da, dskip, bhl, l0, tc, h, P, P, d.d_per_channel, tid, threads);
+  const size_t tok = static_cast<size_t>(b) * L + l0;
+  const size_t xo = (tok * H + h) * P, xstride = static_cast<size_t>(H) * P;
+  const size_t bo = (tok * G + grp) * N, bstride = static_cast<size_t>(G) * N;
+  constexpr size_t pn = static_cast<size_t>(P) * N;
+  const S* hsrc = states + (static_cast<size_t>(bh) * (nch + 1) + ci) * pn;
+  const S* dhsrc = dstates + (static_cast<size_t>(bh) * (nch + 1) + ci + 1) * pn;
+  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool wide = al(x + xo) && al(dy + xo) && al(bm + bo) && al(cm + bo) && al(hsrc) &&
+                    al(dhsrc);
+  block_in(xs, x + xo, xstride, tc, wide, tid, threads);
+  block_in(dys, dy + xo, xstride, tc, wide, tid, threads);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    block_in(bs + nb * BLOCK, bm + bo + 64 * nb, bstride, tc, wide, tid, threads);
+    block_in(cs + nb * BLOCK, cm + bo + 64 * nb, bstride, tc, wide, tid, threads);
+    block_in(hs + nb * BLOCK, hsrc + 64 * nb, N, P, wide, tid, threads);
+    block_in(dhs + nb * BLOCK, dhsrc + 64 * nb, N, P, wide, tid, threads);
+  }
+  m2::stage_wait();
+  m2::fence_proxy_async();  // the tiles' writes, before wgmma reads them
+  __syncthreads();
+
+  const uint32_t xa = m2::smem_addr(xs), dya = m2::smem_addr(dys), ba = m2::smem_addr(bs),
+                 ca = m2::smem_addr(cs), ha = m2::smem_addr(hs), dha = m2::smem_addr(dhs),
+                 wa = m2::smem_addr(ws), aa = m2::smem_addr(as);
+  const int g = warp / 4, m0 = warp % 4 * 16, cw = g * 32;
+  const float g_last = sums.gs[TOKENS - 1];
+  // S = C·Bᵀ and M = dY·Xᵀ at columns cw.. (B's and X's rows), then W, A and their sums.
+  {
+    float sacc[4][4], macc[4][4];
+    m2::wgmma_fence();
+    product<4, 0, 0, N / 16>(sacc, ca, 0, 0, ba, cw, 0);
+    product<4, 0, 0, P / 16>(macc, dya, 0, 0, xa, cw, 0);
+    products_done(sacc, macc);
+    w_and_a(sacc, macc, m0, cw, tc, sums, ws, as, Swizzled{}, lane);
+  }
+  m2::fence_proxy_async();  // W's and A's writes, before wgmma reads them
+  __syncthreads();
+
+  // dX = Wᵀ·dY + D·dY + diag(r)·(B·dH'ᵀ) at columns cw..; Wᵀ is W's tile read M-major.
+  {
+    float xb[2] = {0.f, 0.f}, rs[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = m0 + m2::acc_row(lane, 2 * half);
+      rs[half] = m2::exp2_fast(g_last - sums.gs[s]) * sums.dts[s];
+    }
+    float acc[4][4], st[4][4];
+    m2::wgmma_fence();
+    product<4, 1, 1, TOKENS / 16>(acc, wa, 0, 0, dya, 0, cw);
+    product<4, 0, 0, N / 16>(st, ba, 0, 0, dha, cw, 0);
+    products_done(acc, st);
+    dx_cols(acc, st, m0, cw, tc, P, xs, dys, Swizzled{}, rs, sums, xb,
+            static_cast<bf16*>(out.dx) + xo, xstride, out.dd, lane);
+    add_rows(sums.xdhb, xb, m0, lane);
+  }
+
+  // dB = Aᵀ·C + diag(r)·(X·dH') and dC = A·B + diag(exp2(d))·(dY·H) at columns 64·nb + cw.., both
+  // warpgroups issuing the same products (a branch around wgmma would serialise them).
+  {
+    float yc[2] = {0.f, 0.f}, rs[2], eg[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = m0 + m2::acc_row(lane, 2 * half);
+      rs[half] = m2::exp2_fast(g_last - sums.gs[t]) * sums.dts[t];
+      eg[half] = m2::exp2_fast(sums.gs[t]);
+    }
+    const bool shared = hpg > 1;
+#pragma unroll 1
+    for (int nb = 0; nb < NB; ++nb) {
+      const int n1 = 64 * nb + cw;
+      float acc[4][4], st[4][4];
+      m2::wgmma_fence();
+      product<4, 1, 1, TOKENS / 16>(acc, aa, 0, 0, ca, 0, n1);
+      product<4, 0, 1, P / 16>(st, xa, 0, 0, dha, 0, n1);
+      products_done(acc, st);
+      grad_cols(acc, st, rs, m0, n1, tc, N, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
+                out.db + bo, bstride, shared, lane);
+      m2::wgmma_fence();
+      product<4, 0, 1, TOKENS / 16>(acc, aa, 0, 0, ba, 0, n1);
+      product<4, 0, 1, P / 16>(st, dya, 0, 0, ha, 0, n1);
+      products_done(acc, st);
+      grad_cols(acc, st, eg, m0, n1, tc, N, static_cast<const bf16*>(cs), Swizzled{}, yc,
+                out.dc + bo, bstride, shared, lane);
+    }
+    add_rows(sums.dyhc, yc, m0, lane);
+  }
+
+  finish(tile_dot(hs, dhs, NB * P, 64, 64, tid, threads), sums, a, out, h, P, bh, ci, nch, bhl, l0,
+         tc, tid, threads);
+}
+#endif
+
+// The wgmma form where it is compiled (sm_90a) and takes the shape, else the mma.sync form.
+template <typename T, typename S, int PF, int NF>
+__device__ __forceinline__ void bwd_compute_out(const T* x, const T* dy, const T* bm, const T* cm,
+                                                const float* dt_out, const float* da,
+                                                const S* states, const S* dstates,
+                                                const float* dskip, const float* a,
+                                                const Grads& out, const m2::SsdParams& d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same<T, bf16>::value && PF == 64 && NF > 0 && NF % 64 == 0) {
+    bwd_compute_out_wgmma<S, NF>(x, dy, bm, cm, dt_out, da, states, dstates, dskip, a, out, d);
+    return;
+  }
+#endif
+  bwd_compute_out_mma<T, S, PF, NF>(x, dy, bm, cm, dt_out, da, states, dstates, dskip, a, out, d);
 }
 
 }  // namespace

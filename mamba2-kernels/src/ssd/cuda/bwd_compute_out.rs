@@ -1,7 +1,8 @@
 //! Launcher of `kernels/ssd/bwd_compute_out.cu`, the backward of compute_out: one program per
 //! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory. Tensor-core
 //! values at P = 64 and N of 64, 128 or 256 take a kernel with P and N compiled in (its tile walks
-//! unrolled, its column bounds folded); other shapes one that reads them at run time.
+//! unrolled, its column bounds folded; in bf16 on sm_90a its products on wgmma); other shapes one
+//! that reads them at run time.
 
 use std::sync::Arc;
 
@@ -41,12 +42,16 @@ pub(super) struct BwdOutPtrs {
 }
 
 /// Shared memory of one program: x, dy, B, C, H and dH' padded to 64 columns, W and A, the
-/// per-token sums, and D's gradient and value per channel.
+/// per-token sums, and D's gradient and value per channel. The mma.sync form pads each tile row
+/// by 8 values and aligns to 128 bytes, the wgmma form (sm_90a, the same kernel names) pads
+/// nothing and aligns to 1024: the larger of the two.
 pub(super) fn smem(p: &SsdParams, t: Ty) -> usize {
     let (pp, np) = (pad(p.headdim), pad(p.dstate));
-    let tiles = 2 * TOKENS * (pp + 8) + 2 * TOKENS * (np + 8) + 2 * pp * (np + 8);
-    let wa = 2 * TOKENS * (TOKENS + 8);
-    (tiles + wa) * t.bytes() + (6 * TOKENS + 2 * pp + WARPS) * 4 + 128
+    let sums = (6 * TOKENS + 2 * pp + WARPS) * 4;
+    let padded = 2 * TOKENS * (pp + 8) + 2 * TOKENS * (np + 8) + 2 * pp * (np + 8);
+    let wa_padded = 2 * TOKENS * (TOKENS + 8);
+    let swizzled = 2 * TOKENS * pp + 2 * TOKENS * np + 2 * pp * np + 2 * TOKENS * TOKENS;
+    ((padded + wa_padded) * t.bytes() + 128).max(swizzled * t.bytes() + 1024) + sums
 }
 
 pub(super) fn launch_bwd_out(
