@@ -297,6 +297,17 @@ fn bf16_gradients_match_the_cpu() -> Result<()> {
             state_dtype: DType::BF16,
             ..BASE
         },
+        // Eight heads adding into one group's dB and dC, over 264 chunks of 64.
+        Case {
+            batch: 1,
+            seqlen: 264 * 64,
+            nheads: 8,
+            ngroups: 1,
+            dstate: 128,
+            d: 2,
+            state_dtype: DType::BF16,
+            ..BASE
+        },
     ];
     check_cases(&cases, 31, DType::BF16)
 }

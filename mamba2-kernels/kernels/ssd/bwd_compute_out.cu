@@ -503,16 +503,22 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool wide = al(x + xo) && al(dy + xo) && al(bm + bo) && al(cm + bo) && al(hsrc) &&
                     al(dhsrc);
+  // Two copy groups: what S and M read, then H and dH' (first read by dX) under S and M.
   block_in(xs, x + xo, xstride, tc, wide, tid, threads);
   block_in(dys, dy + xo, xstride, tc, wide, tid, threads);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     block_in(bs + nb * BLOCK, bm + bo + 64 * nb, bstride, tc, wide, tid, threads);
     block_in(cs + nb * BLOCK, cm + bo + 64 * nb, bstride, tc, wide, tid, threads);
+  }
+  m2::cp_async_commit();
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
     block_in(hs + nb * BLOCK, hsrc + 64 * nb, N, P, wide, tid, threads);
     block_in(dhs + nb * BLOCK, dhsrc + 64 * nb, N, P, wide, tid, threads);
   }
-  m2::stage_wait();
+  m2::cp_async_commit();
+  m2::cp_async_wait<1>();
   m2::fence_proxy_async();  // the tiles' writes, before wgmma reads them
   __syncthreads();
 
@@ -530,7 +536,8 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     products_done(sacc, macc);
     w_and_a(sacc, macc, m0, cw, tc, sums, ws, as, Swizzled{}, lane);
   }
-  m2::fence_proxy_async();  // W's and A's writes, before wgmma reads them
+  m2::cp_async_wait<0>();
+  m2::fence_proxy_async();  // W's, A's, H's and dH''s writes, before wgmma reads them
   __syncthreads();
 
   // dX = Wᵀ·dY + D·dY + diag(r)·(B·dH'ᵀ) at columns cw..; Wᵀ is W's tile read M-major.
