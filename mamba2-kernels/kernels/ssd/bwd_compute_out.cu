@@ -47,31 +47,41 @@ struct Padded {
   __device__ __forceinline__ int operator()(int r, int c) const { return r * ld + c; }
 };
 
-// A program's per-token and per-channel f32 sums in shared memory: dt, the cumulative sums d,
-// col and row (the cross pairs' sums), x·(dH' B) and dy·(H C) per token; D's gradient and value
-// per channel (pp of each); one partial ⟨dH', H⟩ per warp.
+// A program's per-token and per-channel f32 sums in shared memory: dt and the cumulative sums d
+// per token; D's value per channel (pp); one partial ⟨dH', H⟩ per warp; and partial sums, one row
+// per warp that shares their index, each element stored once by one lane (no atomics: shared f32
+// atomics are compare-and-swap loops, contended here): per token col and row (the cross pairs'
+// sums), x·(dH' B) and dy·(H C); D's gradient per channel. Warp w's accumulators cover rows
+// 16·(w mod 4) and columns from 32·⌊w / 4⌋, so a column's sums have four parts (by w mod 4) and
+// a row's two (by ⌊w / 4⌋).
 struct Sums {
   float *dts, *gs, *col, *row, *xdhb, *dyhc, *ddsum, *dsk, *red;
-  __device__ __forceinline__ Sums(float* f, int pp)
-      : dts(f), gs(f + TOKENS), col(f + 2 * TOKENS), row(f + 3 * TOKENS), xdhb(f + 4 * TOKENS),
-        dyhc(f + 5 * TOKENS), ddsum(f + 6 * TOKENS), dsk(f + 6 * TOKENS + pp),
-        red(f + 6 * TOKENS + 2 * pp) {}
+  int pp;
+  __device__ __forceinline__ Sums(float* f, int pp_)
+      : dts(f), gs(f + TOKENS), col(f + 2 * TOKENS), row(f + 6 * TOKENS), xdhb(f + 8 * TOKENS),
+        dyhc(f + 10 * TOKENS), ddsum(f + 12 * TOKENS), dsk(f + 12 * TOKENS + 4 * pp_),
+        red(f + 12 * TOKENS + 5 * pp_), pp(pp_) {}
+  __device__ __forceinline__ float col_at(int t) const {
+    return col[t] + col[TOKENS + t] + col[2 * TOKENS + t] + col[3 * TOKENS + t];
+  }
+  __device__ __forceinline__ float row_at(int t) const { return row[t] + row[TOKENS + t]; }
+  __device__ __forceinline__ float xdhb_at(int t) const { return xdhb[t] + xdhb[TOKENS + t]; }
+  __device__ __forceinline__ float dyhc_at(int t) const { return dyhc[t] + dyhc[TOKENS + t]; }
+  __device__ __forceinline__ float dd_at(int j) const {
+    return ddsum[j] + ddsum[pp + j] + ddsum[2 * pp + j] + ddsum[3 * pp + j];
+  }
 };
 
-// The sums' starting values (the caller synchronises before reading them).
+// The per-token and per-channel values (the caller synchronises before reading them); every
+// partial sum is stored before it is read.
 __device__ __forceinline__ void start_sums(const Sums& s, const float* dt_out, const float* da,
                                            const float* dskip, size_t bhl, int l0, int tc, int h,
                                            int P, int pp, bool per_channel, int tid, int threads) {
   for (int t = tid; t < TOKENS; t += threads) {
     s.dts[t] = t < tc ? dt_out[bhl + l0 + t] : 0.f;
     s.gs[t] = da[bhl + l0 + min(t, tc - 1)];
-    s.col[t] = 0.f;
-    s.row[t] = 0.f;
-    s.xdhb[t] = 0.f;
-    s.dyhc[t] = 0.f;
   }
   for (int j = tid; j < pp; j += threads) {
-    s.ddsum[j] = 0.f;
     s.dsk[j] = !dskip || j >= P ? 0.f : per_channel ? dskip[h * P + j] : dskip[h];
   }
 }
@@ -112,13 +122,13 @@ __device__ __forceinline__ void w_and_a(const float (&sacc)[4][4], const float (
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const float v = m2::column_sum(cz[k]);
-      if (lane < 4) atomicAdd(&s.col[cw + 8 * j + m2::acc_col(lane, k)], v);
+      if (lane < 4) s.col[(m0 >> 4) * TOKENS + cw + 8 * j + m2::acc_col(lane, k)] = v;
     }
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float v = m2::quad_sum(rz[half]);
-    if ((lane & 3) == 0) atomicAdd(&s.row[m0 + m2::acc_row(lane, 2 * half)], v);
+    if ((lane & 3) == 0) s.row[(cw >> 5) * TOKENS + m0 + m2::acc_row(lane, 2 * half)] = v;
   }
 }
 
@@ -158,18 +168,20 @@ __device__ __forceinline__ void dx_cols(const float (&acc)[4][4], const float (&
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const float v = m2::column_sum(dsum[k]);
-        if (lane < 4) atomicAdd(&s.ddsum[c0 + k], v);
+        if (lane < 4) s.ddsum[(m0 >> 4) * s.pp + c0 + k] = v;
       }
     }
   }
 }
 
-// A per-row sum of this warp's accumulator rows into `sums` (one lane of each quad adds).
-__device__ __forceinline__ void add_rows(float* sums, const float (&v)[2], int m0, int lane) {
+// A per-row sum of this warp's accumulator rows (rows m0.., columns from cw) into its part of
+// `sums` (one lane of each quad stores).
+__device__ __forceinline__ void add_rows(float* sums, const float (&v)[2], int m0, int cw,
+                                         int lane) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float q = m2::quad_sum(v[half]);
-    if ((lane & 3) == 0) atomicAdd(&sums[m0 + m2::acc_row(lane, 2 * half)], q);
+    if ((lane & 3) == 0) sums[(cw >> 5) * TOKENS + m0 + m2::acc_row(lane, 2 * half)] = q;
   }
 }
 
@@ -229,7 +241,7 @@ __device__ __forceinline__ void finish(float dot, const Sums& s, const float* a,
   if (lane == 0) s.red[warp] = dot;
   __syncthreads();
   if (out.dd)
-    for (int j = tid; j < P; j += threads) atomicAdd(&out.dd[h * P + j], s.ddsum[j]);
+    for (int j = tid; j < P; j += threads) atomicAdd(&out.dd[h * P + j], s.dd_at(j));
   if (warp != 0) return;
 
   float state_dot = 0.f;
@@ -240,9 +252,9 @@ __device__ __forceinline__ void finish(float dot, const Sums& s, const float* a,
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int t = t0 + k;
-    cross[k] = s.dts[t] * s.col[t] - s.row[t];
-    before[k] = m2::exp2_fast(g_last - s.gs[t]) * s.dts[t] * s.xdhb[t];
-    tail[k] = m2::exp2_fast(s.gs[t]) * s.dyhc[t];
+    cross[k] = s.dts[t] * s.col_at(t) - s.row_at(t);
+    before[k] = m2::exp2_fast(g_last - s.gs[t]) * s.dts[t] * s.xdhb_at(t);
+    tail[k] = m2::exp2_fast(s.gs[t]) * s.dyhc_at(t);
   }
   // Inclusive scans over lanes of the pair sums.
   float sc = cross[0] + cross[1], sb = before[0] + before[1], stl = tail[0] + tail[1];
@@ -267,7 +279,7 @@ __device__ __forceinline__ void finish(float dot, const Sums& s, const float* a,
   for (int k = 0; k < 2; ++k) {
     const int t = t0 + k;
     const float q = (total_tail - pt) + state_term + pc + pb;
-    const float ddt = s.col[t] + m2::exp2_fast(g_last - s.gs[t]) * s.xdhb[t] + ah * q;
+    const float ddt = s.col_at(t) + m2::exp2_fast(g_last - s.gs[t]) * s.xdhb_at(t) + ah * q;
     if (t < tc) out.ddt[bhl + l0 + t] = ddt;
     part += s.dts[t] * q;
     pc += cross[k];
@@ -361,7 +373,7 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
       dx_cols(acc, st, m0, p0 + cw, tc, P, xs, dys, Padded{ldp}, rs, sums, xb,
               static_cast<T*>(out.dx) + xo, xstride, out.dd, lane);
     }
-    add_rows(sums.xdhb, xb, m0, lane);
+    add_rows(sums.xdhb, xb, m0, cw, lane);
   }
 
   // dB = Aᵀ·C + diag(r)·(X·dH') and dC = A·B + diag(exp2(d))·(dY·H), 64 columns at a time.
@@ -392,7 +404,7 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
       grad_cols(acc, st, eg, m0, nw, tc, N, static_cast<const T*>(cs), Padded{ldn}, yc,
                 out.dc + bo, bstride, shared, lane);
     }
-    add_rows(sums.dyhc, yc, m0, lane);
+    add_rows(sums.dyhc, yc, m0, cw, lane);
   }
 
   finish(tile_dot(hs, dhs, pp, np, ldn, tid, threads), sums, a, out, h, P, bh, ci, nch, bhl, l0,
@@ -555,7 +567,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     products_done(acc, st);
     dx_cols(acc, st, m0, cw, tc, P, xs, dys, Swizzled{}, rs, sums, xb,
             static_cast<bf16*>(out.dx) + xo, xstride, out.dd, lane);
-    add_rows(sums.xdhb, xb, m0, lane);
+    add_rows(sums.xdhb, xb, m0, cw, lane);
   }
 
   // dB = Aᵀ·C + diag(r)·(X·dH') and dC = A·B + diag(exp2(d))·(dY·H) at columns 64·nb + cw.., both
@@ -586,7 +598,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       grad_cols(acc, st, eg, m0, n1, tc, N, static_cast<const bf16*>(cs), Swizzled{}, yc,
                 out.dc + bo, bstride, shared, lane);
     }
-    add_rows(sums.dyhc, yc, m0, lane);
+    add_rows(sums.dyhc, yc, m0, cw, lane);
   }
 
   finish(tile_dot(hs, dhs, NB * P, 64, 64, tid, threads), sums, a, out, h, P, bh, ci, nch, bhl, l0,

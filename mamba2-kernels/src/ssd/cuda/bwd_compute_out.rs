@@ -42,12 +42,13 @@ pub(super) struct BwdOutPtrs {
 }
 
 /// Shared memory of one program: x, dy, B, C, H and dH' padded to 64 columns, W and A, the
-/// per-token sums, and D's gradient and value per channel. The mma.sync form pads each tile row
+/// per-token sums (col in four parts, three more in two), D's gradient (four parts) and value
+/// per channel, a value per warp. The mma.sync form pads each tile row
 /// by 8 values and aligns to 128 bytes, the wgmma form (sm_90a, the same kernel names) pads
 /// nothing and aligns to 1024: the larger of the two.
 pub(super) fn smem(p: &SsdParams, t: Ty) -> usize {
     let (pp, np) = (pad(p.headdim), pad(p.dstate));
-    let sums = (6 * TOKENS + 2 * pp + WARPS) * 4;
+    let sums = (12 * TOKENS + 5 * pp + WARPS) * 4;
     let padded = 2 * TOKENS * (pp + 8) + 2 * TOKENS * (np + 8) + 2 * pp * (np + 8);
     let wa_padded = 2 * TOKENS * (TOKENS + 8);
     let swizzled = 2 * TOKENS * pp + 2 * TOKENS * np + 2 * pp * np + 2 * TOKENS * TOKENS;
