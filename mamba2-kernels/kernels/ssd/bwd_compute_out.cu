@@ -72,6 +72,34 @@ struct Sums {
   }
 };
 
+// A program's chunk and head, and its offsets into the inputs. Program i takes (batch·head,
+// chunk) = (i mod B·H, ⌊i / B·H⌋): the heads of a chunk side by side, so that a group's heads
+// share its B and C tiles and their dB, dC atomics in L2. H is slot ci of the states, dH' slot
+// ci + 1 of their gradients (`h_at` and `h_at` + P·N).
+struct Place {
+  int bh, ci, b, h, hpg, grp, l0, tc, nch;
+  size_t bhl, xo, xstride, bo, bstride, h_at;
+  __device__ __forceinline__ Place(const m2::SsdParams& d, int P, int N) {
+    const int H = d.nheads, L = d.seqlen, G = d.ngroups, nbh = d.batch * H;
+    bh = blockIdx.x % nbh;
+    ci = blockIdx.x / nbh;
+    b = bh / H;
+    h = bh % H;
+    hpg = H / G;
+    grp = h / hpg;
+    l0 = ci * TOKENS;
+    tc = min(TOKENS, L - l0);
+    nch = d.nchunks;
+    bhl = static_cast<size_t>(bh) * L;
+    const size_t tok = static_cast<size_t>(b) * L + l0;
+    xo = (tok * H + h) * P;
+    xstride = static_cast<size_t>(H) * P;
+    bo = (tok * G + grp) * N;
+    bstride = static_cast<size_t>(G) * N;
+    h_at = (static_cast<size_t>(bh) * (nch + 1) + ci) * P * N;
+  }
+};
+
 // The per-token and per-channel values (the caller synchronises before reading them); every
 // partial sum is stored before it is read.
 __device__ __forceinline__ void start_sums(const Sums& s, const float* dt_out, const float* da,
@@ -234,19 +262,18 @@ __device__ __forceinline__ float tile_dot(const T* hs, const T* dhs, int rows, i
 // The program's end: ⟨dH', H⟩ summed, D's gradient out, then warp 0 forms q, ddt and da (two
 // tokens per lane, prefix sums across the warp).
 __device__ __forceinline__ void finish(float dot, const Sums& s, const float* a, const Grads& out,
-                                       int h, int P, int bh, int ci, int nch, size_t bhl, int l0,
-                                       int tc, int tid, int threads) {
+                                       const Place& at, int P, int tid, int threads) {
   const int lane = tid & 31, warp = tid >> 5;
   dot = m2::warp_sum(dot);
   if (lane == 0) s.red[warp] = dot;
   __syncthreads();
   if (out.dd)
-    for (int j = tid; j < P; j += threads) atomicAdd(&out.dd[h * P + j], s.dd_at(j));
+    for (int j = tid; j < P; j += threads) atomicAdd(&out.dd[at.h * P + j], s.dd_at(j));
   if (warp != 0) return;
 
   float state_dot = 0.f;
   for (int w = 0; w < WARPS; ++w) state_dot += s.red[w];
-  const float ah = a[h], g_last = s.gs[TOKENS - 1];
+  const float ah = a[at.h], g_last = s.gs[TOKENS - 1];
   const int t0 = 2 * lane;
   float cross[2], before[2], tail[2];
 #pragma unroll
@@ -280,14 +307,14 @@ __device__ __forceinline__ void finish(float dot, const Sums& s, const float* a,
     const int t = t0 + k;
     const float q = (total_tail - pt) + state_term + pc + pb;
     const float ddt = s.col_at(t) + m2::exp2_fast(g_last - s.gs[t]) * s.xdhb_at(t) + ah * q;
-    if (t < tc) out.ddt[bhl + l0 + t] = ddt;
+    if (t < at.tc) out.ddt[at.bhl + at.l0 + t] = ddt;
     part += s.dts[t] * q;
     pc += cross[k];
     pb += before[k];
     pt += tail[k];
   }
   part = m2::warp_sum(part);
-  if (lane == 0) out.da_part[static_cast<size_t>(bh) * nch + ci] = part;
+  if (lane == 0) out.da_part[static_cast<size_t>(at.bh) * at.nch + at.ci] = part;
 }
 
 // PF, NF: P and N fixed at compile time (0: read from `d`), so that the tile walks unroll and
@@ -301,7 +328,6 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
                                     const Grads& out, const m2::SsdParams& d) {
   extern __shared__ unsigned char smem_raw[];
   const int P = PF ? PF : d.headdim, N = NF ? NF : d.dstate;
-  const int H = d.nheads, L = d.seqlen, G = d.ngroups;
   const int pp = (P + 63) / 64 * 64, np = (N + 63) / 64 * 64;
   const int ldp = pp + 8, ldn = np + 8;
   T* xs = reinterpret_cast<T*>(m2::smem_aligned(smem_raw));
@@ -313,31 +339,20 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
   T* ws = dhs + pp * ldn;
   T* as = ws + TOKENS * LDT;
   const Sums sums(reinterpret_cast<float*>(as + TOKENS * LDT), pp);
-
-  // Program i takes (batch·head, chunk) = (i mod B·H, ⌊i / B·H⌋): the heads of a chunk side by
-  // side, so that a group's heads share its B and C tiles and their dB, dC atomics in L2.
-  const int nbh = d.batch * H, bh = blockIdx.x % nbh, ci = blockIdx.x / nbh;
-  const int b = bh / H, h = bh % H;
-  const int hpg = H / G, grp = h / hpg;
-  const int l0 = ci * TOKENS, tc = min(TOKENS, L - l0);
+  const Place at(d, P, N);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
-  const int nch = d.nchunks;
+  const int h = at.h, tc = at.tc;
+  const size_t xo = at.xo, xstride = at.xstride, bo = at.bo, bstride = at.bstride;
   m2::wait_prior_grid();
 
-  const size_t bhl = static_cast<size_t>(bh) * L;
-  start_sums(sums, dt_out, da, dskip, bhl, l0, tc, h, P, pp, d.d_per_channel, tid, threads);
-  const size_t tok = static_cast<size_t>(b) * L + l0;
-  const size_t xo = (tok * H + h) * P, xstride = static_cast<size_t>(H) * P;
-  const size_t bo = (tok * G + grp) * N, bstride = static_cast<size_t>(G) * N;
-  const size_t pn = static_cast<size_t>(P) * N;
+  start_sums(sums, dt_out, da, dskip, at.bhl, at.l0, tc, h, P, pp, d.d_per_channel, tid, threads);
   m2::stage(xs, ldp, x + xo, xstride, tc, P, TOKENS, pp, tid, threads);
   m2::stage(dys, ldp, dy + xo, xstride, tc, P, TOKENS, pp, tid, threads);
   m2::stage(bs, ldn, bm + bo, bstride, tc, N, TOKENS, np, tid, threads);
   m2::stage(cs, ldn, cm + bo, bstride, tc, N, TOKENS, np, tid, threads);
-  m2::stage(hs, ldn, states + (static_cast<size_t>(bh) * (nch + 1) + ci) * pn, N, P, N, pp, np,
-            tid, threads);
-  m2::stage(dhs, ldn, dstates + (static_cast<size_t>(bh) * (nch + 1) + ci + 1) * pn, N, P, N, pp,
-            np, tid, threads);
+  m2::stage(hs, ldn, states + at.h_at, N, P, N, pp, np, tid, threads);
+  m2::stage(dhs, ldn, dstates + at.h_at + static_cast<size_t>(P) * N, N, P, N, pp, np, tid,
+            threads);
   m2::stage_wait();
   __syncthreads();
 
@@ -386,7 +401,7 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
       rs[half] = m2::exp2_fast(g_last - sums.gs[t]) * sums.dts[t];
       eg[half] = m2::exp2_fast(sums.gs[t]);
     }
-    const bool shared = hpg > 1;
+    const bool shared = at.hpg > 1;
 #pragma unroll 1
     for (int n0 = 0; n0 < np; n0 += 64) {
       const int nw = n0 + cw;
@@ -407,8 +422,7 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
     add_rows(sums.dyhc, yc, m0, cw, lane);
   }
 
-  finish(tile_dot(hs, dhs, pp, np, ldn, tid, threads), sums, a, out, h, P, bh, ci, nch, bhl, l0,
-         tc, tid, threads);
+  finish(tile_dot(hs, dhs, pp, np, ldn, tid, threads), sums, a, out, at, P, tid, threads);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -494,24 +508,15 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   bf16* ws = dhs + NB * BLOCK;
   bf16* as = ws + BLOCK;
   const Sums sums(reinterpret_cast<float*>(as + BLOCK), P);
-
-  const int H = d.nheads, L = d.seqlen, G = d.ngroups;
-  const int nbh = d.batch * H, bh = blockIdx.x % nbh, ci = blockIdx.x / nbh;
-  const int b = bh / H, h = bh % H;
-  const int hpg = H / G, grp = h / hpg;
-  const int l0 = ci * TOKENS, tc = min(TOKENS, L - l0);
+  const Place at(d, P, N);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
-  const int nch = d.nchunks;
+  const int h = at.h, tc = at.tc;
+  const size_t xo = at.xo, xstride = at.xstride, bo = at.bo, bstride = at.bstride;
   m2::wait_prior_grid();
 
-  const size_t bhl = static_cast<size_t>(bh) * L;
-  start_sums(sums, dt_out, da, dskip, bhl, l0, tc, h, P, P, d.d_per_channel, tid, threads);
-  const size_t tok = static_cast<size_t>(b) * L + l0;
-  const size_t xo = (tok * H + h) * P, xstride = static_cast<size_t>(H) * P;
-  const size_t bo = (tok * G + grp) * N, bstride = static_cast<size_t>(G) * N;
-  constexpr size_t pn = static_cast<size_t>(P) * N;
-  const S* hsrc = states + (static_cast<size_t>(bh) * (nch + 1) + ci) * pn;
-  const S* dhsrc = dstates + (static_cast<size_t>(bh) * (nch + 1) + ci + 1) * pn;
+  start_sums(sums, dt_out, da, dskip, at.bhl, at.l0, tc, h, P, P, d.d_per_channel, tid, threads);
+  const S* hsrc = states + at.h_at;
+  const S* dhsrc = dstates + at.h_at + static_cast<size_t>(P) * N;
   auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool wide = al(x + xo) && al(dy + xo) && al(bm + bo) && al(cm + bo) && al(hsrc) &&
                     al(dhsrc);
@@ -580,7 +585,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       rs[half] = m2::exp2_fast(g_last - sums.gs[t]) * sums.dts[t];
       eg[half] = m2::exp2_fast(sums.gs[t]);
     }
-    const bool shared = hpg > 1;
+    const bool shared = at.hpg > 1;
 #pragma unroll 1
     for (int nb = 0; nb < NB; ++nb) {
       const int n1 = 64 * nb + cw;
@@ -601,8 +606,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     add_rows(sums.dyhc, yc, m0, cw, lane);
   }
 
-  finish(tile_dot(hs, dhs, NB * P, 64, 64, tid, threads), sums, a, out, h, P, bh, ci, nch, bhl, l0,
-         tc, tid, threads);
+  finish(tile_dot(hs, dhs, NB * P, 64, 64, tid, threads), sums, a, out, at, P, tid, threads);
 }
 #endif
 
