@@ -428,8 +428,9 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 using bf16 = __nv_bfloat16;
 
-// Where element (r, c) of a wgmma-form tile sits: blocks of 64 columns of TOKENS rows each (every wgmma-form tile has TOKENS = P rows),
-// 16-byte chunks swizzled within each 128-byte row (m2::swz<128>, wgmma's 128-byte pattern).
+// Where element (r, c) of a wgmma-form tile sits: blocks of 64 columns of TOKENS rows each
+// (every wgmma-form tile has TOKENS = P rows), 16-byte chunks swizzled within each 128-byte row
+// (m2::swz<128>, wgmma's 128-byte pattern).
 struct Swizzled {
   __device__ __forceinline__ int operator()(int r, int c) const {
     return (c >> 6) * TOKENS * 64 + m2::swz<128>(r, (c & 63) >> 3) + (c & 7);
