@@ -481,6 +481,7 @@ __device__ __forceinline__ void product(float (&acc)[NJ][4], uint32_t a, int ra,
   }
 }
 
+// Waits for this warpgroup's products issued since its last wait, into acc and st.
 template <int NJ>
 __device__ __forceinline__ void products_done(float (&acc)[NJ][4], float (&st)[NJ][4]) {
   m2::wgmma_commit();

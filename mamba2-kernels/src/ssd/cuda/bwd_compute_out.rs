@@ -43,9 +43,9 @@ pub(super) struct BwdOutPtrs {
 
 /// Shared memory of one program: x, dy, B, C, H and dH' padded to 64 columns, W and A, the
 /// per-token sums (col in four parts, three more in two), D's gradient (four parts) and value
-/// per channel, a value per warp. The mma.sync form pads each tile row
-/// by 8 values and aligns to 128 bytes, the wgmma form (sm_90a, the same kernel names) pads
-/// nothing and aligns to 1024: the larger of the two.
+/// per channel, a value per warp. The mma.sync form pads each tile row by 8 values and aligns to
+/// 128 bytes, the wgmma form (sm_90a, the same kernel names) pads nothing and aligns to 1024: the
+/// larger of the two.
 pub(super) fn smem(p: &SsdParams, t: Ty) -> usize {
     let (pp, np) = (pad(p.headdim), pad(p.dstate));
     let sums = (12 * TOKENS + 5 * pp + WARPS) * 4;
