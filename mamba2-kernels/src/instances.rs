@@ -231,6 +231,11 @@ pub fn bwd_compute_out(t: Ty, s: Ty, fixed: Option<(usize, usize)>) -> String {
     }
 }
 
+/// dB's and dC's f32 sums rounded to the 16-bit value type `t`, after bwd_compute_out.
+pub fn bwd_compute_out_round(t: Ty) -> String {
+    format!("bwd_compute_out_round_{}", t.name())
+}
+
 pub fn ssd_step(t: Ty, s: Ty, path: StepPath) -> String {
     format!("ssd_step_{}_{}_{}", t.name(), s.name(), path.name())
 }
@@ -558,6 +563,14 @@ pub fn instances() -> Vec<Instance> {
         }
     }
     for t in MMA_VALUES {
+        let name = bwd_compute_out_round(t);
+        add(
+            &mut v,
+            "ssd/bwd_compute_out",
+            name,
+            "BWD_COMPUTE_OUT_ROUND",
+            &[t.c()],
+        );
         for s in STATES {
             for w in CHUNK_STATE_WARPS {
                 for nt in CHUNK_STATE_TILES {

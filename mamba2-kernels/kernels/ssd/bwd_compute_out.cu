@@ -14,7 +14,8 @@
 // c + 1 of dstates (both [B,H,C+1,P,N] of S). Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
 // (summed over the group's heads by atomics when it has several); ddt [B,H,L] f32 (processed
 // dt); da_part [B,H,C] f32; dd [H,P] f32 (atomics; null without D). The common shapes have P and
-// N compiled in (BWD_COMPUTE_OUT_FIXED), the rest read them at run time.
+// N compiled in (BWD_COMPUTE_OUT_FIXED), the rest read them at run time. For 16-bit T,
+// bwd_compute_out_round then rounds db and dc to T in one launch (BWD_COMPUTE_OUT_ROUND).
 // mma.sync form (any type and shape): warp w owns rows 16·(w mod 4) and, of every block of 64
 // columns, the 32 from 32·⌊w / 4⌋ of every [64, ·] product; tiles row-major, zero-padded to
 // multiples of 64 columns plus 8 (conflict-free ldmatrix).
@@ -628,8 +629,37 @@ __device__ __forceinline__ void bwd_compute_out(const T* x, const T* dy, const T
   bwd_compute_out_mma<T, S, PF, NF>(x, dy, bm, cm, dt_out, da, states, dstates, dskip, a, out, d);
 }
 
+// db's and dc's f32 sums (`len` values each) rounded into db_out and dc_out of T: eight values
+// per thread and step, 32-byte loads and 16-byte stores (every buffer is 256-byte aligned); the
+// last len mod 8 of each one at a time.
+template <typename T>
+__device__ void bwd_compute_out_round(const float* __restrict__ db, const float* __restrict__ dc,
+                                      T* __restrict__ db_out, T* __restrict__ dc_out, size_t len) {
+  m2::wait_prior_grid();
+  const size_t octets = len / 8, step = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (size_t i = first; i < 2 * octets; i += step) {
+    const bool second = i >= octets;
+    const size_t e = (second ? i - octets : i) * 8;
+    const float4* src = reinterpret_cast<const float4*>((second ? dc : db) + e);
+    const float4 u = src[0], v = src[1];
+    const uint4 out = make_uint4(m2::Mma<T>::pack(u.x, u.y), m2::Mma<T>::pack(u.z, u.w),
+                                 m2::Mma<T>::pack(v.x, v.y), m2::Mma<T>::pack(v.z, v.w));
+    *reinterpret_cast<uint4*>((second ? dc_out : db_out) + e) = out;
+  }
+  for (size_t i = 8 * octets + first; i < len; i += step) {
+    db_out[i] = m2::from_f<T>(db[i]);
+    dc_out[i] = m2::from_f<T>(dc[i]);
+  }
+}
+
 }  // namespace
 
+#define BWD_COMPUTE_OUT_ROUND(NAME, T)                                                          \
+  extern "C" __global__ void NAME(const float* db, const float* dc, T* db_out, T* dc_out,       \
+                                  size_t len) {                                                 \
+    bwd_compute_out_round<T>(db, dc, db_out, dc_out, len);                                      \
+  }
 #define BWD_COMPUTE_OUT_FIXED(NAME, T, S, PF, NF)                                               \
   extern "C" __global__ void __launch_bounds__(256, 2)                                             \
       NAME(const T* x, const T* dy, const T* b, const T* c, const float* dt_out, const float* da, \

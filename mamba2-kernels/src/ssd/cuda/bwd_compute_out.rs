@@ -2,7 +2,8 @@
 //! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory. Tensor-core
 //! values at P = 64 and N of 64, 128 or 256 take a kernel with P and N compiled in (its tile walks
 //! unrolled, its column bounds folded; in bf16 on sm_90a its products on wgmma); other shapes one
-//! that reads them at run time.
+//! that reads them at run time. For 16-bit values a second kernel then rounds dB's and dC's f32
+//! sums to the value type.
 
 use std::sync::Arc;
 
@@ -89,4 +90,19 @@ pub(super) fn launch_bwd_out(
         &q.dc, &q.ddt, &q.da_part, &q.dd, p,
     ];
     launch(stream, &f, c, &args)
+}
+
+/// Rounds dB's and dC's f32 sums (`len` values each, `db`, `dc`) into `db_out` and `dc_out` of
+/// the 16-bit value type `t`: one launch for both, eight values per thread and step.
+pub(super) fn launch_bwd_round(
+    t: Ty,
+    (db, dc): (u64, u64),
+    (db_out, dc_out): (u64, u64),
+    len: usize,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    let f = function(stream, IMAGE, &instances::bwd_compute_out_round(t))?;
+    let programs = (2 * len).div_ceil(8 * 256).clamp(1, 1 << 16);
+    let c = cfg("ssd backward", stream, [programs, 1, 1], [256, 1, 1], 0)?;
+    launch(stream, &f, c, &[&db, &dc, &db_out, &dc_out, &len])
 }

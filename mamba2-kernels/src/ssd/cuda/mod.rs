@@ -21,7 +21,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
 use self::bwd_chunk_cumsum::launch_bwd_stage1;
-use self::bwd_compute_out::{launch_bwd_out, BwdOutPtrs};
+use self::bwd_compute_out::{launch_bwd_out, launch_bwd_round, BwdOutPtrs};
 use self::bwd_pass_state::{bwd_state_pass, BwdStatePtrs, TOKENS};
 use self::compute_out::{out_pass, OutPtrs};
 use self::fwd_pass_state::{chunk_state_tile, launch_chunk_state, state_pass, PassPtrs, RawSteps};
@@ -274,7 +274,7 @@ pub(crate) struct Backward<'a> {
     pub state_dtype: DType,
 }
 
-/// The gradients of [`Backward`]'s inputs: x in its type, b and c `[B,L,G,N]` f32, raw dt in its
+/// The gradients of [`Backward`]'s inputs: x, b and c (`[B,L,G,N]`) in x's type, raw dt in its
 /// type, a and dt_bias `[H]` f32, D in its shape f32, the initial state `[B,H,P,N]` f32.
 pub(crate) struct BackwardGrads {
     pub x: Tensor,
@@ -451,6 +451,30 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
     }
     written(&mut ddt_raw, &stream)?;
     written(&mut dbias, &stream)?;
+    // 16-bit values: dB's and dC's f32 sums rounded to the value type, into buffers taken once
+    // the states and their gradients are released (the call's peak memory stays theirs).
+    drop(hstates);
+    drop(states);
+    drop(dstates);
+    let (db, dc) = match op.x.dtype() {
+        DType::F32 => (db, dc),
+        value => {
+            let len = bl * gn;
+            let (mut b_out, mut c_out) = (alloc(dev, value, len)?, alloc(dev, value, len)?);
+            let sums = (
+                ptr(name, "db", &db, &contiguous(len), &stream)?.0,
+                ptr(name, "dc", &dc, &contiguous(len), &stream)?.0,
+            );
+            let outs = (
+                ptr(name, "db_out", &b_out, &contiguous(len), &stream)?.0,
+                ptr(name, "dc_out", &c_out, &contiguous(len), &stream)?.0,
+            );
+            launch_bwd_round(vt, sums, outs, len, &stream)?;
+            written(&mut b_out, &stream)?;
+            written(&mut c_out, &stream)?;
+            (b_out, c_out)
+        }
+    };
     let wrap = |s: CudaStorage, shape: Shape| {
         Tensor::from_storage(
             candle_core::Storage::Cuda(s),
