@@ -761,12 +761,11 @@ impl CustomOp3 for SsdCore {
         let (dfirst, dsecond, mut chained) = if self.rows {
             let (bl, l) = (d.batch, d.seqlen);
             let (hp, gn) = (d.nheads * d.headdim, d.ngroups * d.dstate);
-            let vt = first.dtype();
             let dxbc = Tensor::cat(
                 &[
-                    g.x.reshape((bl, l, hp))?.to_dtype(vt)?,
-                    g.b.reshape((bl, l, gn))?.to_dtype(vt)?,
-                    g.c.reshape((bl, l, gn))?.to_dtype(vt)?,
+                    g.x.reshape((bl, l, hp))?,
+                    g.b.reshape((bl, l, gn))?,
+                    g.c.reshape((bl, l, gn))?,
                 ],
                 2,
             )?;
