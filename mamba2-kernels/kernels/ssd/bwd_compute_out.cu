@@ -10,12 +10,17 @@
 //         + Σ_{s<r} r_s·x_s·(dH' B_s)
 // with col_j = dt_j·Σ_t decay_tj S_tj M_tj and row_t = Σ_s decay_ts S_ts M_ts dt_s: the pairs
 // (t ≥ r > s) that cross r, as an exclusive prefix sum whose diagonal terms cancel exactly.
-// Eight warps, all tiles in shared memory. Chunk c reads H from slot c of states and dH' from slot
-// c + 1 of dstates (both [B,H,C+1,P,N] of S). Outputs: dx [B,L,H,P] of T; db, dc [B,L,G,N] f32
-// (summed over the group's heads by atomics when it has several); ddt [B,H,L] f32 (processed
-// dt); da_part [B,H,C] f32; dd [H,P] f32 (atomics; null without D). The common shapes have P and
-// N compiled in (BWD_COMPUTE_OUT_FIXED), the rest read them at run time. For 16-bit T,
-// bwd_compute_out_round then rounds db and dc to T in one launch (BWD_COMPUTE_OUT_ROUND).
+// Eight warps, all tiles in shared memory. The states and their gradients (both [B,H,C+1,P,N] of
+// S, chunk c's H in slot c, its dH' in slot c + 1) come at chunks of d.chunk: 64 tokens, or 128
+// with P ≤ 64, where the program of a chunk's second half forms its H = exp2(d_63)·H0 +
+// Σ_{s<64} exp2(d_63 − d_s)·dt_s·x_s B_sᵀ from the first half's rows, and that of a first half its
+// dH' = exp2(d_last − d_63)·dH'_end + Σ_{t≥64} exp2(d_t − d_63)·dy_t C_tᵀ from the second's (one
+// more [P, 64]·[64, N] product, in place of a state pass at 64-token chunks). Outputs: dx
+// [B,L,H,P] of T; db, dc [B,L,G,N] f32 (summed over the group's heads by atomics when it has
+// several); ddt [B,H,L] f32 (processed dt); da_part [B,H,⌈L/64⌉] f32; dd [H,P] f32 (atomics; null
+// without D). The common shapes have P and N compiled in (BWD_COMPUTE_OUT_FIXED), the rest read
+// them at run time. For 16-bit T, bwd_compute_out_round then rounds db and dc to T in one launch
+// (BWD_COMPUTE_OUT_ROUND).
 // mma.sync form (any type and shape): warp w owns rows 16·(w mod 4) and, of every block of 64
 // columns, the 32 from 32·⌊w / 4⌋ of every [64, ·] product; tiles row-major, zero-padded to
 // multiples of 64 columns plus 8 (conflict-free ldmatrix).
@@ -32,6 +37,8 @@
 namespace {
 
 constexpr int TOKENS = 64, WARPS = 8, LDT = TOKENS + 8;
+// What a program forms of its state tiles itself: nothing, H (a second half), dH' (a first half).
+constexpr int MID_NONE = 0, MID_STATE = 1, MID_GRAD = 2;
 
 struct Grads {
   void* dx;
@@ -75,11 +82,14 @@ struct Sums {
 
 // A program's chunk and head, and its offsets into the inputs. Program i takes (batch·head,
 // chunk) = (i mod B·H, ⌊i / B·H⌋): the heads of a chunk side by side, so that a group's heads
-// share its B and C tiles and their dB, dC atomics in L2. H is slot ci of the states, dH' slot
-// ci + 1 of their gradients (`h_at` and `h_at` + P·N).
+// share its B and C tiles and their dB, dC atomics in L2. The states and their gradients come at
+// chunks of d.chunk = TOKENS or 2·TOKENS tokens (state chunk sc): H is slot sc of the states, dH'
+// slot sc + 1 of their gradients (`h_at` and `h_at` + P·N), except at the half-way point of a
+// state chunk of 2·TOKENS, which the program forms itself (`mid`, from the chunk's other half:
+// rows `l_mid`.. of the inputs, `tc_mid` of them).
 struct Place {
-  int bh, ci, b, h, hpg, grp, l0, tc, nch;
-  size_t bhl, xo, xstride, bo, bstride, h_at;
+  int bh, ci, b, h, hpg, grp, l0, tc, nch, second, mid, tc_mid;
+  size_t bhl, xo, xstride, bo, bstride, h_at, l_mid, xo_mid, bo_mid;
   __device__ __forceinline__ Place(const m2::SsdParams& d, int P, int N) {
     const int H = d.nheads, L = d.seqlen, G = d.ngroups, nbh = d.batch * H;
     bh = blockIdx.x % nbh;
@@ -90,28 +100,104 @@ struct Place {
     grp = h / hpg;
     l0 = ci * TOKENS;
     tc = min(TOKENS, L - l0);
-    nch = d.nchunks;
+    nch = (L + TOKENS - 1) / TOKENS;
     bhl = static_cast<size_t>(bh) * L;
     const size_t tok = static_cast<size_t>(b) * L + l0;
     xo = (tok * H + h) * P;
     xstride = static_cast<size_t>(H) * P;
     bo = (tok * G + grp) * N;
     bstride = static_cast<size_t>(G) * N;
-    h_at = (static_cast<size_t>(bh) * (nch + 1) + ci) * P * N;
+    const int per = d.chunk / TOKENS;
+    second = ci % per;
+    h_at = (static_cast<size_t>(bh) * (d.nchunks + 1) + ci / per) * P * N;
+    // The second half forms H from the first; the first, where a second half follows, forms dH'.
+    mid = per == 1 ? MID_NONE : second ? MID_STATE : l0 + TOKENS < L ? MID_GRAD : MID_NONE;
+    tc_mid = second ? TOKENS : min(TOKENS, L - l0 - TOKENS);
+    l_mid = second ? l0 - TOKENS : l0 + TOKENS;
+    xo_mid = second ? xo - TOKENS * xstride : xo + TOKENS * xstride;
+    bo_mid = second ? bo - TOKENS * bstride : bo + TOKENS * bstride;
   }
 };
 
 // The per-token and per-channel values (the caller synchronises before reading them); every
-// partial sum is stored before it is read.
+// partial sum is stored before it is read. A second half's cumulative sums start from its own
+// first token. With `mid`, col holds the other half's row weights until W and A are formed:
+// exp2(d_63 − d_s)·dt_s for H, exp2(d_t − d_63) for dH' (d_63 the first half's last sum).
 __device__ __forceinline__ void start_sums(const Sums& s, const float* dt_out, const float* da,
-                                           const float* dskip, size_t bhl, int l0, int tc, int h,
-                                           int P, int pp, bool per_channel, int tid, int threads) {
+                                           const float* dskip, const Place& at, int P,
+                                           bool per_channel, int tid, int threads) {
+  const float* g = da + at.bhl;
+  const float base = at.second ? g[at.l0 - 1] : 0.f;
   for (int t = tid; t < TOKENS; t += threads) {
-    s.dts[t] = t < tc ? dt_out[bhl + l0 + t] : 0.f;
-    s.gs[t] = da[bhl + l0 + min(t, tc - 1)];
+    s.dts[t] = t < at.tc ? dt_out[at.bhl + at.l0 + t] : 0.f;
+    s.gs[t] = g[at.l0 + min(t, at.tc - 1)] - base;
+    if (at.mid != MID_NONE) {
+      float w = 0.f;
+      if (t < at.tc_mid) {
+        const size_t i = at.l_mid + t;
+        w = at.mid == MID_STATE ? m2::exp2_fast(base - g[i]) * dt_out[at.bhl + i]
+                                : m2::exp2_fast(g[i] - g[at.l0 + TOKENS - 1]);
+      }
+      s.col[t] = w;
+    }
   }
-  for (int j = tid; j < pp; j += threads) {
-    s.dsk[j] = !dskip || j >= P ? 0.f : per_channel ? dskip[h * P + j] : dskip[h];
+  for (int j = tid; j < s.pp; j += threads) {
+    s.dsk[j] = !dskip || j >= P ? 0.f : per_channel ? dskip[at.h * P + j] : dskip[at.h];
+  }
+}
+
+// The factor of the mid-chunk tile's other term: exp2(d_63) of H0 (slot sc of the states) for
+// H, exp2(d_last − d_63) of dH'_end (slot sc + 1 of their gradients) for dH'.
+__device__ __forceinline__ float mid_factor(const float* da, const Place& at) {
+  const float* g = da + at.bhl;
+  return at.mid == MID_STATE ? m2::exp2_fast(g[at.l0 - 1])
+                             : m2::exp2_fast(g[at.l_mid + at.tc_mid - 1] - g[at.l0 + TOKENS - 1]);
+}
+
+// This warp's part (rows m0.., columns n1..) of src [P, N] as f32 pairs, zero outside.
+template <int NJ, typename S>
+__device__ __forceinline__ void mid_load(float2 (&sv)[NJ][2], const S* src, int m0, int n1, int P,
+                                         int N, int lane) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = m0 + m2::acc_row(lane, 2 * half), n = n1 + 8 * j + m2::acc_col(lane, 0);
+      const S* row = src + static_cast<size_t>(r) * N;
+      if (r < P && n + 1 < N && N % 2 == 0)
+        sv[j][half] = m2::load2(row + n);
+      else
+        sv[j][half] = make_float2(r < P && n < N ? m2::to_f(row[n]) : 0.f,
+                                  r < P && n + 1 < N ? m2::to_f(row[n + 1]) : 0.f);
+    }
+  }
+}
+
+// Two consecutive values of S as they sit in memory, and as f32 (a pair already in f32 as it is).
+template <typename S> struct Pair {
+  using Raw = uint32_t;
+};
+template <> struct Pair<float> {
+  using Raw = float2;
+};
+template <typename S> __device__ __forceinline__ float2 pair_f(float2 v) { return v; }
+template <typename S> __device__ __forceinline__ float2 pair_f(uint32_t v) {
+  return m2::load2(reinterpret_cast<const S*>(&v));
+}
+
+// The same part of the mid-chunk tile: acc + f·sv, stored as T (zero outside [P, N], where the
+// product's operands and sv are). sv: f32 pairs, or S pairs converted here.
+template <typename S, int NJ, typename V, typename T, typename Idx>
+__device__ __forceinline__ void mid_store(const float (&acc)[NJ][4], float f, const V (&sv)[NJ][2],
+                                          int m0, int n1, T* tile, Idx at, int lane) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = m0 + m2::acc_row(lane, 2 * half), n = n1 + 8 * j + m2::acc_col(lane, 0);
+      const float2 v = pair_f<S>(sv[j][half]);
+      m2::store2<T>(tile + at(r, n), acc[j][2 * half] + f * v.x, acc[j][2 * half + 1] + f * v.y);
+    }
   }
 }
 
@@ -342,23 +428,50 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
   const Sums sums(reinterpret_cast<float*>(as + TOKENS * LDT), pp);
   const Place at(d, P, N);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
-  const int h = at.h, tc = at.tc;
+  const int tc = at.tc;
   const size_t xo = at.xo, xstride = at.xstride, bo = at.bo, bstride = at.bstride;
   m2::wait_prior_grid();
 
-  start_sums(sums, dt_out, da, dskip, at.bhl, at.l0, tc, h, P, pp, d.d_per_channel, tid, threads);
+  start_sums(sums, dt_out, da, dskip, at, P, d.d_per_channel, tid, threads);
+  // This warp's rows m0.. and its columns cw.. of each block of 64.
+  const int m0 = warp % 4 * 16, cw = warp / 4 * 32;
+  const S* hsrc = states + at.h_at;
+  const S* dhsrc = dstates + at.h_at + static_cast<size_t>(P) * N;
+  // The mid-chunk tile (P ≤ 64, one block of rows): the other half's rows weighted in W's tile,
+  // its B or C rows in the tile's own place, their product written over them 64 columns at a time.
+  if (at.mid != MID_NONE) {
+    const bool state = at.mid == MID_STATE;
+    T* mt = state ? hs : dhs;
+    m2::stage(ws, LDT, (state ? x : dy) + at.xo_mid, xstride, at.tc_mid, P, TOKENS, pp, tid,
+              threads);
+    m2::stage(mt, ldn, (state ? bm : cm) + at.bo_mid, bstride, at.tc_mid, N, TOKENS, np, tid,
+              threads);
+    const S* src = state ? hsrc : dhsrc;
+    float2 sv[4][2];
+    mid_load(sv, src, m0, cw, P, N, lane);
+    m2::stage_wait();
+    __syncthreads();
+    m2::scale_rows(ws, LDT, TOKENS, pp, sums.col, tid, threads);
+    __syncthreads();
+    const float f = mid_factor(da, at);
+    for (int n0 = 0; n0 < np; n0 += 64) {
+      if (n0 > 0) mid_load(sv, src, m0, n0 + cw, P, N, lane);
+      float acc[4][4];
+      m2::zero(acc);
+      m2::WarpTile<T, true, true, 4>::mma(acc, ws, LDT, mt, ldn, m0, n0 + cw, TOKENS, lane);
+      __syncthreads();
+      mid_store<S>(acc, f, sv, m0, n0 + cw, mt, Padded{ldn}, lane);
+    }
+  }
   m2::stage(xs, ldp, x + xo, xstride, tc, P, TOKENS, pp, tid, threads);
   m2::stage(dys, ldp, dy + xo, xstride, tc, P, TOKENS, pp, tid, threads);
   m2::stage(bs, ldn, bm + bo, bstride, tc, N, TOKENS, np, tid, threads);
   m2::stage(cs, ldn, cm + bo, bstride, tc, N, TOKENS, np, tid, threads);
-  m2::stage(hs, ldn, states + at.h_at, N, P, N, pp, np, tid, threads);
-  m2::stage(dhs, ldn, dstates + at.h_at + static_cast<size_t>(P) * N, N, P, N, pp, np, tid,
-            threads);
+  if (at.mid != MID_STATE) m2::stage(hs, ldn, hsrc, N, P, N, pp, np, tid, threads);
+  if (at.mid != MID_GRAD) m2::stage(dhs, ldn, dhsrc, N, P, N, pp, np, tid, threads);
   m2::stage_wait();
   __syncthreads();
 
-  // This warp's rows m0.. and its columns cw.. of each block of 64.
-  const int m0 = warp % 4 * 16, cw = warp / 4 * 32;
   const float g_last = sums.gs[TOKENS - 1];
   // S = C·Bᵀ and M = dY·Xᵀ, then W, A and the sums of decay∘S∘M.
   {
@@ -513,17 +626,46 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   const Sums sums(reinterpret_cast<float*>(as + BLOCK), P);
   const Place at(d, P, N);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
-  const int h = at.h, tc = at.tc;
+  const int tc = at.tc;
   const size_t xo = at.xo, xstride = at.xstride, bo = at.bo, bstride = at.bstride;
   m2::wait_prior_grid();
 
-  start_sums(sums, dt_out, da, dskip, at.bhl, at.l0, tc, h, P, P, d.d_per_channel, tid, threads);
+  start_sums(sums, dt_out, da, dskip, at, P, d.d_per_channel, tid, threads);
   const S* hsrc = states + at.h_at;
   const S* dhsrc = dstates + at.h_at + static_cast<size_t>(P) * N;
   auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool wide = al(x + xo) && al(dy + xo) && al(bm + bo) && al(cm + bo) && al(hsrc) &&
                     al(dhsrc);
-  // Two copy groups: what S and M read, then H and dH' (first read by dX) under S and M.
+  const bool state = at.mid == MID_STATE;
+  bf16* mt = state ? hs : dhs;
+  const int g = warp / 4, m0 = warp % 4 * 16, cw = g * 32;
+  // The mid-chunk tile's other term, this thread's pairs of it in every block, loaded ahead of
+  // everything (their latency under the copies).
+  typename Pair<S>::Raw sv[NB][4][2];
+  if (at.mid != MID_NONE) {
+    const S* src = state ? hsrc : dhsrc;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = m0 + m2::acc_row(lane, 2 * half);
+          const int n = 64 * nb + cw + 8 * j + m2::acc_col(lane, 0);
+          sv[nb][j][half] = *reinterpret_cast<const typename Pair<S>::Raw*>(src + r * N + n);
+        }
+  }
+  // Copy groups: the mid-chunk tile's operands (the other half's rows of x or dY into W's tile,
+  // of B or C into the tile's own place), then what S and M read, then H and dH' (first read by
+  // dX) under S and M.
+  if (at.mid != MID_NONE) {
+    block_in(ws, (state ? x : dy) + at.xo_mid, xstride, at.tc_mid, wide, tid, threads);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+      block_in(mt + nb * BLOCK, (state ? bm : cm) + at.bo_mid + 64 * nb, bstride, at.tc_mid, wide,
+               tid, threads);
+    m2::cp_async_commit();
+  }
   block_in(xs, x + xo, xstride, tc, wide, tid, threads);
   block_in(dys, dy + xo, xstride, tc, wide, tid, threads);
 #pragma unroll
@@ -534,18 +676,41 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   m2::cp_async_commit();
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    block_in(hs + nb * BLOCK, hsrc + 64 * nb, N, P, wide, tid, threads);
-    block_in(dhs + nb * BLOCK, dhsrc + 64 * nb, N, P, wide, tid, threads);
+    if (at.mid != MID_STATE) block_in(hs + nb * BLOCK, hsrc + 64 * nb, N, P, wide, tid, threads);
+    if (at.mid != MID_GRAD) block_in(dhs + nb * BLOCK, dhsrc + 64 * nb, N, P, wide, tid, threads);
   }
   m2::cp_async_commit();
-  m2::cp_async_wait<1>();
-  m2::fence_proxy_async();  // the tiles' writes, before wgmma reads them
-  __syncthreads();
 
   const uint32_t xa = m2::smem_addr(xs), dya = m2::smem_addr(dys), ba = m2::smem_addr(bs),
                  ca = m2::smem_addr(cs), ha = m2::smem_addr(hs), dha = m2::smem_addr(dhs),
                  wa = m2::smem_addr(ws), aa = m2::smem_addr(as);
-  const int g = warp / 4, m0 = warp % 4 * 16, cw = g * 32;
+  // The mid-chunk tile: the weighted rows' product over the other half, written over its B or C
+  // rows one block of 64 columns at a time, once both warpgroups have read that block.
+  if (at.mid != MID_NONE) {
+    m2::cp_async_wait<2>();
+    __syncthreads();
+    m2::scale_rows(ws, 64, TOKENS, 64, sums.col, tid, threads);
+    m2::fence_proxy_async();  // the weighted rows, before wgmma reads them
+    __syncthreads();
+    const float f = mid_factor(da, at);
+    const uint32_t mta = state ? ha : dha;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const int n1 = 64 * nb + cw;
+      float acc[4][4];
+      m2::wgmma_fence();
+      product<4, 1, 1, TOKENS / 16>(acc, wa, 0, 0, mta, 0, n1);
+      m2::wgmma_commit();
+      m2::wgmma_wait<0>();
+      m2::wgmma_hold(acc);
+      __syncthreads();
+      mid_store<S>(acc, f, sv[nb], m0, n1, mt, Swizzled{}, lane);
+    }
+  }
+  m2::cp_async_wait<1>();
+  m2::fence_proxy_async();  // the tiles' writes, before wgmma reads them
+  __syncthreads();
+
   const float g_last = sums.gs[TOKENS - 1];
   // S = C·Bᵀ and M = dY·Xᵀ at columns cw.. (B's and X's rows), then W, A and their sums.
   {

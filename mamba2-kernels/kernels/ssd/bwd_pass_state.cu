@@ -8,7 +8,8 @@
 // [B,H,L] f32, dlast and dinit [B,H,P,N] f32 (dlast null: zero), dstates [B,H,C+1,P,N] of S,
 // chunk c in slot c + 1 as the forward's chunk states (slot 0 unused): U_c can then come from
 // the forward's chunk_state_mma instead (dY for x, C for B, exp2(d) for dt, zeros for d), as the
-// launcher does wherever that kernel takes the shape; bwd_chunk_state is the rest's.
+// launcher does wherever that kernel takes the shape; bwd_chunk_state is the rest's. Its chunks
+// are 64 tokens; the scan's are d.chunk (64, or 128 after chunk_state_mma).
 #include "params.cuh"
 #include "ssd/warp_tile.cuh"
 
@@ -113,7 +114,7 @@ __device__ void bwd_state_scan(const float* __restrict__ da, const float* __rest
   auto fetch = [&](int k, int i) {
     const int ci = nch - 1 - k;
     ring[i] = V::load(u + static_cast<size_t>(ci) * pn, true);
-    d_last[i] = g[min(L, (ci + 1) * TOKENS) - 1];
+    d_last[i] = g[min(L, (ci + 1) * d.chunk) - 1];
   };
 #pragma unroll
   for (int i = 0; i < PF; ++i)

@@ -1,5 +1,7 @@
 //! Launcher of `kernels/ssd/bwd_compute_out.cu`, the backward of compute_out: one program per
-//! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory. Tensor-core
+//! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory, the states
+//! and their gradients at `p.chunk` (64, or 128 with P ≤ 64: the half-way ones formed by the
+//! programs). Tensor-core
 //! values at P = 64 and N of 64, 128 or 256 take a kernel with P and N compiled in (its tile walks
 //! unrolled, its column bounds folded; in bf16 on sm_90a its products on wgmma); other shapes one
 //! that reads them at run time. For 16-bit values a second kernel then rounds dB's and dC's f32
@@ -79,11 +81,8 @@ pub(super) fn launch_bwd_out(
         && instances::BWD_COMPUTE_OUT_FIXED.contains(&shape))
     .then_some(shape);
     let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s, fixed))?;
-    let grid = [
-        p.nchunks as usize * p.batch as usize * p.nheads as usize,
-        1,
-        1,
-    ];
+    let programs = (p.seqlen as usize).div_ceil(TOKENS) * p.batch as usize * p.nheads as usize;
+    let grid = [programs, 1, 1];
     let c = cfg(name, stream, grid, [32 * WARPS, 1, 1], bytes)?;
     let args: [&dyn crate::cuda::Arg; 17] = [
         &q.x, &q.dy, &q.b, &q.c, &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx, &q.db,

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
-use candle_core::Result;
+use candle_core::{bail, Result};
 
 use super::params::SsdParams;
 use crate::cuda::{cfg, fatbin, function, launch, Image, Ty};
@@ -15,8 +15,8 @@ use crate::instances;
 
 const IMAGE: Image = fatbin!("ssd_bwd_pass_state");
 
-/// Tokens per chunk of the backward kernels (any forward chunk: the SSD's results do not depend
-/// on it).
+/// Tokens per chunk of bwd_chunk_state and per program of bwd_compute_out (any forward chunk: the
+/// SSD's results do not depend on it); bwd_state_scan takes its chunk from the parameters.
 pub(super) const TOKENS: usize = 64;
 
 /// The addresses the pass reads and writes: dy, c, da_cumsum, the final state's gradient (0:
@@ -54,6 +54,12 @@ pub(super) fn bwd_state_pass(
     let name = "ssd backward";
     let bh = p.batch as usize * p.nheads as usize;
     if own_terms {
+        if p.chunk as usize != TOKENS {
+            bail!(
+                "{name}: bwd_chunk_state takes chunks of {TOKENS} tokens, not {}",
+                p.chunk
+            )
+        }
         let f = function(stream, IMAGE, &instances::bwd_chunk_state(t, s))?;
         let smem = chunk_state_smem(p, t);
         let grid = [p.nchunks as usize * bh, 1, 1];

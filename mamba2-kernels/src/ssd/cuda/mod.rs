@@ -3,7 +3,7 @@
 //! in the stream's scratch buffer. One launcher per `.cu` file of `kernels/ssd/`:
 //! [`chunk_cumsum`](mod@chunk_cumsum), [`fwd_pass_state`](mod@fwd_pass_state) (the state pass)
 //! and [`compute_out`](mod@compute_out); their parameters in [`params`]. The backward,
-//! [`ssd_backward`], runs stage 1 and the state pass again at its own chunk of 64 tokens, then the
+//! [`ssd_backward`], runs stage 1 and the state pass again at chunks of 128 or 64 tokens, then the
 //! three backward kernels' launchers: [`bwd_pass_state`](mod@bwd_pass_state),
 //! [`bwd_compute_out`](mod@bwd_compute_out) and [`bwd_chunk_cumsum`](mod@bwd_chunk_cumsum).
 
@@ -287,53 +287,69 @@ pub(crate) struct BackwardGrads {
     pub init: Option<Tensor>,
 }
 
-/// The SSD backward on CUDA. Stage 1 and the chunk states are computed again at chunks of
-/// [`TOKENS`] (the SSD's results do not depend on the chunk, and the kernels' tiles are sized for
-/// it); then the state gradients (bwd_pass_state), each chunk's gradients (bwd_compute_out) and
-/// the dt processing's (bwd_chunk_cumsum).
+/// The SSD backward on CUDA. Stage 1 and the chunk states are computed again (the SSD's results
+/// do not depend on the chunk) at chunks of 2·[`TOKENS`] where bwd_compute_out can form the
+/// half-way states itself (P ≤ [`TOKENS`]), the states are wide enough for the halved state
+/// passes to outweigh that product (N ≥ 128) and the forward's chunk_state_mma takes the state
+/// gradients' chunk terms; else of [`TOKENS`] (the backward kernels' tiles are sized for it).
+/// Then the state gradients (bwd_pass_state), each chunk's gradients (bwd_compute_out, [`TOKENS`]
+/// tokens a program) and the dt processing's (bwd_chunk_cumsum).
 pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
     let name = "ssd backward";
     let d = op.dims;
-    let (dt_out, da) = super::stages::chunk_cumsum(op.dt, op.a, &op.dt_opts, TOKENS)?;
-    let states =
-        super::stages::fwd_pass_state(op.x, op.b, &dt_out, &da, op.init, TOKENS, op.state_dtype)?;
     let dev = op.x.device().as_cuda_device()?;
     let stream = dev.cuda_stream();
     let (vt, st) = (ty(name, op.x.dtype())?, ty(name, op.state_dtype)?);
-    let nch = d.nchunks(TOKENS);
     let (bh, pn) = (d.batch * d.nheads, d.headdim * d.dstate);
     let bl = d.batch * d.seqlen;
-    let p = SsdParams::new(&d, TOKENS)?;
     let contiguous = |n: usize| Layout::contiguous(n);
     let held = |t: &'_ Tensor| -> Result<Tensor> { t.contiguous() };
     let (x, b, c, dy) = (held(op.x)?, held(op.b)?, held(op.c)?, held(op.dy)?);
     let (hx, hb, hc, hdy) = (Held::new(&x), Held::new(&b), Held::new(&c), Held::new(&dy));
+    let mut io_guards = Guards::new();
+    let (dy_p, c_p) = (
+        hdy.ptr(name, "dy", &stream, &mut io_guards)?,
+        hc.ptr(name, "c", &stream, &mut io_guards)?,
+    );
+
+    // The chunk terms of dstates by the forward's chunk_state_mma where it takes the shape:
+    // U_c = Σ_t exp2(d_t)·dy_t C_tᵀ is its Σ_s exp2(d_last − d_s)·dt_s·x_s B_sᵀ with d = 0 and
+    // dt = exp2(d).
+    let mut terms = PassPtrs {
+        x: dy_p,
+        b: c_p,
+        init: 0,
+        states: 0,
+        dt: 0,
+        da: 0,
+    };
+    let types = (op.x.dtype(), op.state_dtype);
+    let wide = match d.headdim <= TOKENS && d.dstate >= 128 {
+        true => chunk_state_tile(&d, 2 * TOKENS, types, &terms, &stream)?,
+        false => None,
+    };
+    let (chunk, tile) = match wide {
+        Some(tile) => (2 * TOKENS, Some(tile)),
+        None => (
+            TOKENS,
+            chunk_state_tile(&d, TOKENS, types, &terms, &stream)?,
+        ),
+    };
+    let (dt_out, da) = super::stages::chunk_cumsum(op.dt, op.a, &op.dt_opts, chunk)?;
+    let states =
+        super::stages::fwd_pass_state(op.x, op.b, &dt_out, &da, op.init, chunk, op.state_dtype)?;
+    let nch = d.nchunks(chunk);
+    let p = SsdParams::new(&d, chunk)?;
     let (hdt, hda, hstates) = (Held::new(&dt_out), Held::new(&da), Held::new(&states));
     let (ha, hd) = (Held::new(op.a), op.d.map(Held::new));
     let hlast = op.dlast.map(Held::new);
     let (hbias, dt_s) = (op.dt_opts.bias.map(Held::new), Held::new(op.dt));
     let mut guards = Guards::new();
 
-    // The chunk terms of dstates by the forward's chunk_state_mma where it takes the shape:
-    // U_c = Σ_t exp2(d_t)·dy_t C_tᵀ is its Σ_s exp2(d_last − d_s)·dt_s·x_s B_sᵀ with d = 0 and
-    // dt = exp2(d).
     let slots = bh * (nch + 1) * pn;
     let mut dstates = alloc(dev, op.state_dtype, slots)?;
     let dstates_p = ptr(name, "dstates", &dstates, &contiguous(slots), &stream)?.0;
-    let (dy_p, c_p) = (
-        hdy.ptr(name, "dy", &stream, &mut guards)?,
-        hc.ptr(name, "c", &stream, &mut guards)?,
-    );
-    let mut terms = PassPtrs {
-        x: dy_p,
-        b: c_p,
-        init: 0,
-        states: dstates_p,
-        dt: 0,
-        da: 0,
-    };
-    let types = (op.x.dtype(), op.state_dtype);
-    let tile = chunk_state_tile(&d, TOKENS, types, &terms, &stream)?;
+    terms.states = dstates_p;
     if let Some(tile) = &tile {
         // The weights live only as long as this launch needs them.
         let zeros = Tensor::zeros(da.shape(), DType::F32, op.x.device())?;
@@ -342,7 +358,7 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
         let mut weight_guards = Guards::new();
         terms.da = hz.ptr(name, "zero cumulative sums", &stream, &mut weight_guards)?;
         terms.dt = he.ptr(name, "exp2(da_cumsum)", &stream, &mut weight_guards)?;
-        launch_chunk_state(&d, TOKENS, tile, types, &terms, None, &stream)?;
+        launch_chunk_state(&d, chunk, tile, types, &terms, None, &stream)?;
     }
     let mut dinit = op
         .init
@@ -373,7 +389,8 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
     let mut dx = alloc(dev, op.x.dtype(), bl * d.nheads * d.headdim)?;
     let (mut db, mut dc) = (group_grad(bl * gn)?, group_grad(bl * gn)?);
     let mut ddt = alloc(dev, DType::F32, bh * d.seqlen)?;
-    let mut da_part = alloc(dev, DType::F32, bh * nch)?;
+    let parts = d.nchunks(TOKENS);
+    let mut da_part = alloc(dev, DType::F32, bh * parts)?;
     let d_len = d.nheads * d.headdim;
     let mut dd = op.d.map(|_| zeroed(dev, DType::F32, d_len)).transpose()?;
     let mut p_out = p;
@@ -400,7 +417,7 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
         db: ptr(name, "db", &db, &contiguous(bl * gn), &stream)?.0,
         dc: ptr(name, "dc", &dc, &contiguous(bl * gn), &stream)?.0,
         ddt: ptr(name, "ddt", &ddt, &contiguous(bh * d.seqlen), &stream)?.0,
-        da_part: ptr(name, "da_part", &da_part, &contiguous(bh * nch), &stream)?.0,
+        da_part: ptr(name, "da_part", &da_part, &contiguous(bh * parts), &stream)?.0,
         dd: match &dd {
             Some(s) => ptr(name, "dd", s, &contiguous(d_len), &stream)?.0,
             None => 0,
@@ -435,6 +452,7 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
     );
     launch_bwd_stage1(&p, &steps, ty(name, dt_type)?, ptrs, &stream)?;
     drop(guards);
+    drop(io_guards);
 
     for s in [
         &mut dstates,
@@ -484,7 +502,7 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
         )
     };
     let (bsz, l, h, pd, g, n) = (d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate);
-    let a_grad = wrap(da_part, Shape::from((bsz, h, nch))).sum((0, 2))?;
+    let a_grad = wrap(da_part, Shape::from((bsz, h, parts))).sum((0, 2))?;
     let d_grad = match (dd, op.d) {
         (Some(s), Some(t)) => {
             let per_channel = wrap(s, Shape::from((h, pd)));
