@@ -300,6 +300,18 @@ __device__ __forceinline__ void add_rows(float* sums, const float (&v)[2], int m
   }
 }
 
+// The row scales of this lane's two accumulator rows from m0: r = exp2(d_last − d_t)·dt_t (dX's
+// and dB's dH' terms) and e = exp2(d_t) (dC's H term).
+__device__ __forceinline__ void row_scales(const Sums& s, float g_last, int m0, int lane,
+                                           float (&r)[2], float (&e)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = m0 + m2::acc_row(lane, 2 * half);
+    r[half] = m2::exp2_fast(g_last - s.gs[t]) * s.dts[t];
+    e[half] = m2::exp2_fast(s.gs[t]);
+  }
+}
+
 // dB (or, `ctile`, dC) at rows m0.. and the columns from n1: acc + scale·st, where for dB acc =
 // Aᵀ·C, st = X·dH', scale = r; for dC acc = A·B, st = dY·H, scale = exp2(d) and st·c is added to
 // yc (dy·(H C) per token).
@@ -486,13 +498,8 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
 
   // dX = Wᵀ·dY + D·dY + diag(r)·(B·dH'ᵀ); x_s·(dH' B_s) and D's gradient on the way.
   {
-    float xb[2] = {0.f, 0.f};
-    float rs[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int s = m0 + m2::acc_row(lane, 2 * half);
-      rs[half] = m2::exp2_fast(g_last - sums.gs[s]) * sums.dts[s];
-    }
+    float xb[2] = {0.f, 0.f}, rs[2], eg[2];
+    row_scales(sums, g_last, m0, lane, rs, eg);
     for (int p0 = 0; p0 < pp; p0 += 64) {
       float acc[4][4], st[4][4];
       m2::zero(acc);
@@ -509,12 +516,7 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
   {
     float yc[2] = {0.f, 0.f}, unused[2] = {0.f, 0.f};
     float rs[2], eg[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int t = m0 + m2::acc_row(lane, 2 * half);
-      rs[half] = m2::exp2_fast(g_last - sums.gs[t]) * sums.dts[t];
-      eg[half] = m2::exp2_fast(sums.gs[t]);
-    }
+    row_scales(sums, g_last, m0, lane, rs, eg);
     const bool shared = at.hpg > 1;
 #pragma unroll 1
     for (int n0 = 0; n0 < np; n0 += 64) {
@@ -626,16 +628,14 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   const Sums sums(reinterpret_cast<float*>(as + BLOCK), P);
   const Place at(d, P, N);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
-  const int tc = at.tc;
-  const size_t xo = at.xo, xstride = at.xstride, bo = at.bo, bstride = at.bstride;
   m2::wait_prior_grid();
 
   start_sums(sums, dt_out, da, dskip, at, P, d.d_per_channel, tid, threads);
   const S* hsrc = states + at.h_at;
   const S* dhsrc = dstates + at.h_at + static_cast<size_t>(P) * N;
   auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool wide = al(x + xo) && al(dy + xo) && al(bm + bo) && al(cm + bo) && al(hsrc) &&
-                    al(dhsrc);
+  const bool wide = al(x + at.xo) && al(dy + at.xo) && al(bm + at.bo) && al(cm + at.bo) &&
+                    al(hsrc) && al(dhsrc);
   const bool state = at.mid == MID_STATE;
   bf16* mt = state ? hs : dhs;
   const int g = warp / 4, m0 = warp % 4 * 16, cw = g * 32;
@@ -659,19 +659,19 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   // of B or C into the tile's own place), then what S and M read, then H and dH' (first read by
   // dX) under S and M.
   if (at.mid != MID_NONE) {
-    block_in(ws, (state ? x : dy) + at.xo_mid, xstride, at.tc_mid, wide, tid, threads);
+    block_in(ws, (state ? x : dy) + at.xo_mid, at.xstride, at.tc_mid, wide, tid, threads);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
-      block_in(mt + nb * BLOCK, (state ? bm : cm) + at.bo_mid + 64 * nb, bstride, at.tc_mid, wide,
-               tid, threads);
+      block_in(mt + nb * BLOCK, (state ? bm : cm) + at.bo_mid + 64 * nb, at.bstride, at.tc_mid,
+               wide, tid, threads);
     m2::cp_async_commit();
   }
-  block_in(xs, x + xo, xstride, tc, wide, tid, threads);
-  block_in(dys, dy + xo, xstride, tc, wide, tid, threads);
+  block_in(xs, x + at.xo, at.xstride, at.tc, wide, tid, threads);
+  block_in(dys, dy + at.xo, at.xstride, at.tc, wide, tid, threads);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    block_in(bs + nb * BLOCK, bm + bo + 64 * nb, bstride, tc, wide, tid, threads);
-    block_in(cs + nb * BLOCK, cm + bo + 64 * nb, bstride, tc, wide, tid, threads);
+    block_in(bs + nb * BLOCK, bm + at.bo + 64 * nb, at.bstride, at.tc, wide, tid, threads);
+    block_in(cs + nb * BLOCK, cm + at.bo + 64 * nb, at.bstride, at.tc, wide, tid, threads);
   }
   m2::cp_async_commit();
 #pragma unroll
@@ -719,7 +719,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     product<4, 0, 0, N / 16>(sacc, ca, 0, 0, ba, cw, 0);
     product<4, 0, 0, P / 16>(macc, dya, 0, 0, xa, cw, 0);
     products_done(sacc, macc);
-    w_and_a(sacc, macc, m0, cw, tc, sums, ws, as, Swizzled{}, lane);
+    w_and_a(sacc, macc, m0, cw, at.tc, sums, ws, as, Swizzled{}, lane);
   }
   m2::cp_async_wait<0>();
   m2::fence_proxy_async();  // W's, A's, H's and dH''s writes, before wgmma reads them
@@ -727,19 +727,15 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
 
   // dX = Wᵀ·dY + D·dY + diag(r)·(B·dH'ᵀ) at columns cw..; Wᵀ is W's tile read M-major.
   {
-    float xb[2] = {0.f, 0.f}, rs[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int s = m0 + m2::acc_row(lane, 2 * half);
-      rs[half] = m2::exp2_fast(g_last - sums.gs[s]) * sums.dts[s];
-    }
+    float xb[2] = {0.f, 0.f}, rs[2], eg[2];
+    row_scales(sums, g_last, m0, lane, rs, eg);
     float acc[4][4], st[4][4];
     m2::wgmma_fence();
     product<4, 1, 1, TOKENS / 16>(acc, wa, 0, 0, dya, 0, cw);
     product<4, 0, 0, N / 16>(st, ba, 0, 0, dha, cw, 0);
     products_done(acc, st);
-    dx_cols(acc, st, m0, cw, tc, P, xs, dys, Swizzled{}, rs, sums, xb,
-            static_cast<bf16*>(out.dx) + xo, xstride, out.dd, lane);
+    dx_cols(acc, st, m0, cw, at.tc, P, xs, dys, Swizzled{}, rs, sums, xb,
+            static_cast<bf16*>(out.dx) + at.xo, at.xstride, out.dd, lane);
     add_rows(sums.xdhb, xb, m0, cw, lane);
   }
 
@@ -747,12 +743,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   // warpgroups issuing the same products (a branch around wgmma would serialise them).
   {
     float yc[2] = {0.f, 0.f}, rs[2], eg[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int t = m0 + m2::acc_row(lane, 2 * half);
-      rs[half] = m2::exp2_fast(g_last - sums.gs[t]) * sums.dts[t];
-      eg[half] = m2::exp2_fast(sums.gs[t]);
-    }
+    row_scales(sums, g_last, m0, lane, rs, eg);
     const bool shared = at.hpg > 1;
 #pragma unroll 1
     for (int nb = 0; nb < NB; ++nb) {
@@ -762,14 +753,14 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       product<4, 1, 1, TOKENS / 16>(acc, aa, 0, 0, ca, 0, n1);
       product<4, 0, 1, P / 16>(st, xa, 0, 0, dha, 0, n1);
       products_done(acc, st);
-      grad_cols(acc, st, rs, m0, n1, tc, N, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
-                out.db + bo, bstride, shared, lane);
+      grad_cols(acc, st, rs, m0, n1, at.tc, N, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
+                out.db + at.bo, at.bstride, shared, lane);
       m2::wgmma_fence();
       product<4, 0, 1, TOKENS / 16>(acc, aa, 0, 0, ba, 0, n1);
       product<4, 0, 1, P / 16>(st, dya, 0, 0, ha, 0, n1);
       products_done(acc, st);
-      grad_cols(acc, st, eg, m0, n1, tc, N, static_cast<const bf16*>(cs), Swizzled{}, yc,
-                out.dc + bo, bstride, shared, lane);
+      grad_cols(acc, st, eg, m0, n1, at.tc, N, static_cast<const bf16*>(cs), Swizzled{}, yc,
+                out.dc + at.bo, at.bstride, shared, lane);
     }
     add_rows(sums.dyhc, yc, m0, cw, lane);
   }
