@@ -1,11 +1,10 @@
 //! Launcher of `kernels/ssd/bwd_compute_out.cu`, the backward of compute_out: one program per
-//! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory, the states
-//! and their gradients at `p.chunk` (64, or 128 with P ≤ 64: the half-way ones formed by the
-//! programs). Tensor-core
-//! values at P = 64 and N of 64, 128 or 256 take a kernel with P and N compiled in (its tile walks
-//! unrolled, its column bounds folded; in bf16 on sm_90a its products on wgmma); other shapes one
-//! that reads them at run time. For 16-bit values a second kernel then rounds dB's and dC's f32
-//! sums to the value type.
+//! (chunk of 64 tokens, batch·head) with every tile of the chunk in shared memory, the states and
+//! their gradients at `p.chunk` (64, or 128 with P ≤ 64: the half-way ones formed by the
+//! programs). Tensor-core values at P = 64 and N of 64, 128 or 256 take a kernel with P and N
+//! compiled in (its tile walks unrolled, its column bounds folded; in bf16 on sm_90a its products
+//! on wgmma); other shapes one that reads them at run time. For 16-bit values a second kernel then
+//! rounds dB's and dC's f32 sums to the value type.
 
 use std::sync::Arc;
 

@@ -324,9 +324,10 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
         da: 0,
     };
     let types = (op.x.dtype(), op.state_dtype);
-    let wide = match d.headdim <= TOKENS && d.dstate >= 128 {
-        true => chunk_state_tile(&d, 2 * TOKENS, types, &terms, &stream)?,
-        false => None,
+    let wide = if d.headdim <= TOKENS && d.dstate >= 128 {
+        chunk_state_tile(&d, 2 * TOKENS, types, &terms, &stream)?
+    } else {
+        None
     };
     let (chunk, tile) = match wide {
         Some(tile) => (2 * TOKENS, Some(tile)),
