@@ -11,7 +11,9 @@ mod common;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use common::Rng;
-use mamba2::kernels::{self as k, ssd, ssd_backward, ssd_xbc, DtOptions, SsdOptions};
+use mamba2::kernels::{
+    self as k, ssd, ssd_backward, ssd_backward_saved, ssd_saving, ssd_xbc, DtOptions, SsdOptions,
+};
 
 fn gpu() -> Device {
     k::set_poison(true);
@@ -488,6 +490,117 @@ fn ssd_backward_matches_autograd() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `ssd_saving` + `ssd_backward_saved` give `ssd` + `ssd_backward`'s outputs and gradients (the
+/// kept states at 128-token chunks for bf16 with N = 128, at 64 for f32 and N = 64; lengths not
+/// multiples of either), and kept states of another call are refused.
+#[test]
+fn kept_states_give_the_same_gradients() -> Result<()> {
+    let dev = gpu();
+    let wide = Case {
+        seqlen: 333,
+        nheads: 4,
+        ngroups: 1,
+        dstate: 128,
+        chunk: 256,
+        ..BASE
+    };
+    let narrow = Case {
+        seqlen: 150,
+        chunk: 128,
+        ..BASE
+    };
+    for (k, dtype) in [
+        (wide, DType::BF16),
+        (narrow, DType::F32),
+        (narrow, DType::BF16),
+    ] {
+        let inp = Inputs::new(&k, 17, dtype)?;
+        let on = |t: &Tensor, dt: DType| -> Result<Tensor> { t.to_device(&dev)?.to_dtype(dt) };
+        let (x, dtv, b, c) = (
+            on(&inp.x, dtype)?,
+            on(&inp.dt, dtype)?,
+            on(&inp.b, dtype)?,
+            on(&inp.c, dtype)?,
+        );
+        let a = on(&inp.a_log, DType::F32)?.exp()?.neg()?;
+        let (bias, d, init) = (
+            on(&inp.bias, DType::F32)?,
+            on(inp.d.as_ref().expect("D"), DType::F32)?,
+            on(inp.init.as_ref().expect("init"), DType::F32)?,
+        );
+        let opts = SsdOptions {
+            chunk_size: k.chunk,
+            dt: DtOptions {
+                bias: Some(&bias),
+                softplus: k.softplus,
+                limit: k.limit,
+            },
+            d: Some(&d),
+            z: None,
+            initial_state: Some(&init),
+            state_dtype: k.state_dtype,
+        };
+        let (dy, ws) = (on(&inp.wy, dtype)?, on(&inp.ws, DType::F32)?);
+        let (y, last) = ssd(&x, &dtv, &a, &b, &c, &opts)?;
+        let (y_kept, last_kept, saved) = ssd_saving(&x, &dtv, &a, &b, &c, &opts)?;
+        assert!(!saved.is_empty(), "{k:?}: no states kept");
+        let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+        let close = |name: &str, want: &Tensor, got: &Tensor| -> Result<()> {
+            let (want, got) = (want.to_dtype(DType::F32)?, got.to_dtype(DType::F32)?);
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            let err = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                err <= tol * scale,
+                "{name} {dtype:?} {k:?}: {err} of {scale}"
+            );
+            Ok(())
+        };
+        close("y", &y, &y_kept)?;
+        close("final state", &last, &last_kept)?;
+        let want = ssd_backward(&x, &dtv, &a, &b, &c, &opts, &dy, Some(&ws))?;
+        let got = ssd_backward_saved(saved, &x, &dtv, &a, &b, &c, &opts, &dy, Some(&ws))?;
+        for (name, w, g) in [
+            ("x", &want.x, &got.x),
+            ("dt", &want.dt, &got.dt),
+            ("A", &want.a, &got.a),
+            ("B", &want.b, &got.b),
+            ("C", &want.c, &got.c),
+            ("dt_bias", &want.dt_bias, &got.dt_bias),
+        ] {
+            close(name, w, g)?;
+        }
+        close("D", want.d.as_ref().expect("D"), got.d.as_ref().expect("D"))?;
+        let (wi, gi) = (want.initial_state.as_ref(), got.initial_state.as_ref());
+        close("initial state", wi.expect("h0"), gi.expect("h0"))?;
+    }
+    // States kept for 150 tokens, offered to a backward of 300.
+    let k = Case {
+        seqlen: 300,
+        ..wide
+    };
+    let inp = Inputs::new(&k, 3, DType::BF16)?;
+    let on = |t: &Tensor| -> Result<Tensor> { t.to_device(&dev)?.to_dtype(DType::BF16) };
+    let (x, dtv, b, c) = (on(&inp.x)?, on(&inp.dt)?, on(&inp.b)?, on(&inp.c)?);
+    let a = inp.a_log.to_device(&dev)?.exp()?.neg()?;
+    let opts = SsdOptions {
+        chunk_size: 128,
+        ..Default::default()
+    };
+    let short = |t: &Tensor| t.narrow(1, 0, 150);
+    let (_, _, saved) = ssd_saving(
+        &short(&x)?,
+        &short(&dtv)?,
+        &a,
+        &short(&b)?,
+        &short(&c)?,
+        &opts,
+    )?;
+    let err = ssd_backward_saved(saved, &x, &dtv, &a, &b, &c, &opts, &on(&inp.wy)?, None)
+        .expect_err("states of another call");
+    assert!(err.to_string().contains("kept chunk states"), "{err}");
     Ok(())
 }
 

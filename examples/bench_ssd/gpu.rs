@@ -463,11 +463,11 @@ fn pool_high(dev: &Device, reset: bool) -> Result<u64> {
 fn backward(args: &Args, dev: &Device, ballast: &Tensor) -> Result<()> {
     use candle_core::Var;
     let (p, g, chunk) = (64, 1, 128);
-    println!("bench_ssd cuda --backward: P=64 G=1 chunk=128, x/B/C bf16, bf16 chunk states; µs = GPU time per forward + backward (events: median of {} runs; graph: per call in a replayed graph of {GRAPH_CALLS}); call = one synchronised host call; peak = the memory pool's high mark during one call above the inputs; direct = `ssd` + `ssd_backward` on a dy made before the call; autograd = `y.backward()` on `Var`s, y's gradient (ones) made by candle inside the call", args.gpu_reps);
+    println!("bench_ssd cuda --backward: P=64 G=1 chunk=128, x/B/C bf16, bf16 chunk states; µs = GPU time per forward + backward (events: median of {} runs; graph: per call in a replayed graph of {GRAPH_CALLS}); call = one synchronised host call; peak = the memory pool's high mark during one call above the inputs; direct = `ssd` + `ssd_backward` on a dy made before the call; kept = `ssd_saving` + `ssd_backward_saved` (the forward's chunk states kept for the backward), the same dy; autograd = `y.backward()` on `Var`s, y's gradient (ones) made by candle inside the call", args.gpu_reps);
     println!(
-        "| B, H, N, L | forward GPU | direct GPU | direct graph | direct peak MiB | autograd GPU | autograd graph | autograd call | autograd peak MiB |"
+        "| B, H, N, L | forward GPU | direct GPU | direct graph | direct peak MiB | kept graph | kept peak MiB | autograd GPU | autograd graph | autograd call | autograd peak MiB |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let shapes = [
         (4, 8, 128, 4096),
         (4, 8, 128, 16384),
@@ -543,8 +543,14 @@ fn backward(args: &Args, dev: &Device, ballast: &Tensor) -> Result<()> {
             k::ssd_backward(&xd, &dtd, &ad, &bd, &cd, &opts_d, &gy, None)?;
             Ok(())
         };
+        let kept = |_: usize| -> Result<()> {
+            let (_, _, saved) = k::ssd_saving(&xd, &dtd, &ad, &bd, &cd, &opts_d)?;
+            k::ssd_backward_saved(saved, &xd, &dtd, &ad, &bd, &cd, &opts_d, &gy, None)?;
+            Ok(())
+        };
         if args.once {
             direct(0)?;
+            kept(0)?;
             fb(0)?;
             dev.synchronize()?;
             continue;
@@ -558,6 +564,13 @@ fn backward(args: &Args, dev: &Device, ballast: &Tensor) -> Result<()> {
         let base = pool_high(dev, true)?;
         direct(0)?;
         let peak_direct = pool_high(dev, false)?.saturating_sub(base) as f64 / (1 << 20) as f64;
+        let t_kept_graph = match graph_us(dev, kept) {
+            Ok(t) => format!("{t:.1}"),
+            Err(e) => format!("n/a ({e})"),
+        };
+        let base = pool_high(dev, true)?;
+        kept(0)?;
+        let peak_kept = pool_high(dev, false)?.saturating_sub(base) as f64 / (1 << 20) as f64;
         let t_fb = gpu_us(dev, args.gpu_reps, ballast, fb)?;
         let t_graph = match graph_us(dev, fb) {
             Ok(t) => format!("{t:.1}"),
@@ -567,7 +580,7 @@ fn backward(args: &Args, dev: &Device, ballast: &Tensor) -> Result<()> {
         let base = pool_high(dev, true)?;
         fb(0)?;
         let peak = pool_high(dev, false)?.saturating_sub(base) as f64 / (1 << 20) as f64;
-        println!("| {name} | {t_fwd:.1} | {t_direct:.1} | {t_direct_graph} | {peak_direct:.0} | {t_fb:.1} | {t_graph} | {t_call:.1} | {peak:.0} |");
+        println!("| {name} | {t_fwd:.1} | {t_direct:.1} | {t_direct_graph} | {peak_direct:.0} | {t_kept_graph} | {peak_kept:.0} | {t_fb:.1} | {t_graph} | {t_call:.1} | {peak:.0} |");
     }
     Ok(())
 }

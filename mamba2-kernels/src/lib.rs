@@ -74,8 +74,8 @@ pub use norm::{
 };
 pub use rows::{scatter_rows, RowIndex};
 pub use ssd::{
-    chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_backward, ssd_packed, ssd_xbc, SsdGrads,
-    SsdOptions,
+    chunk_cumsum, compute_out, fwd_pass_state, ssd, ssd_backward, ssd_backward_saved, ssd_packed,
+    ssd_saving, ssd_xbc, SsdGrads, SsdOptions, SsdSaved,
 };
 #[cfg(feature = "timeline")]
 pub use ssd::{ssd_timeline, ssd_timeline_reset, TimelineMark};

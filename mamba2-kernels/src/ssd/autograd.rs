@@ -584,6 +584,7 @@ fn on_cuda(
         chunk: opts.chunk_size,
         state_dtype: opts.state_dtype,
         outputs: Arc::new(Outputs::default()),
+        kept: Mutex::new(None),
     });
     let params = [Some(a), opts.dt.bias, opts.d, opts.initial_state];
     let (first, second, chained, rows) = match route {
@@ -615,6 +616,8 @@ struct CudaHeld {
     chunk: usize,
     state_dtype: DType,
     outputs: Arc<Outputs>,
+    /// The forward's chunk states and their chunk, until the backward takes them.
+    kept: Mutex<Option<(Tensor, usize)>>,
 }
 
 #[cfg(feature = "cuda")]
@@ -628,7 +631,8 @@ impl std::fmt::Debug for CudaHeld {
 
 #[cfg(feature = "cuda")]
 impl CudaHeld {
-    /// Runs the SSD and leaves y and the final state in the outputs' slots.
+    /// Runs the SSD, leaves y and the final state in the outputs' slots and keeps the chunk
+    /// states for the backward.
     fn forward(&self) -> Result<()> {
         let (xs, xl) = self.x.storage_and_layout();
         let (bs, bl) = self.b.storage_and_layout();
@@ -655,11 +659,18 @@ impl CudaHeld {
             dims: self.dims,
             chunk_size: self.chunk,
             state_dtype: self.state_dtype,
+            keep: true,
         };
-        let (y, last) = super::cuda::ssd(&fused)?;
+        let (y, last, kept) = super::cuda::ssd(&fused)?;
         let cuda = candle_core::Storage::Cuda;
         self.outputs.y.put("ssd", cuda(y))?;
-        self.outputs.last.put("ssd", cuda(last))
+        self.outputs.last.put("ssd", cuda(last))?;
+        let kept = kept.map(|k| k.into_tensor(&self.dims));
+        match self.kept.lock() {
+            Ok(mut slot) => *slot = kept,
+            Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
+        }
+        Ok(())
     }
 
     /// The backward's kernels on the held inputs, given y's gradient and the final state's
@@ -677,7 +688,11 @@ impl CudaHeld {
             .map(|g| g.to_dtype(DType::F32)?.contiguous())
             .transpose()?;
         let rule = self.rule;
-        super::cuda::ssd_backward(&super::cuda::Backward {
+        let kept = match self.kept.lock() {
+            Ok(mut slot) => slot.take(),
+            Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
+        };
+        super::cuda::ssd_backward(super::cuda::Backward {
             x: &self.x,
             b: &self.b,
             c: &self.c,
@@ -694,6 +709,7 @@ impl CudaHeld {
             dlast: dlast.as_ref(),
             dims: self.dims,
             state_dtype: self.state_dtype,
+            kept,
         })
     }
 }

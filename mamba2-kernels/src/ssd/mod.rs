@@ -97,6 +97,11 @@ struct Ssd {
     chunk_size: usize,
     state_dtype: DType,
     final_state: Slot,
+    /// Keep the chunk states for the backward, left in `kept` (the CUDA forward's: the CPU
+    /// backward computes its own).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    keep: bool,
+    kept: std::sync::Mutex<Option<(Tensor, usize)>>,
 }
 
 impl CustomOp3 for Ssd {
@@ -145,9 +150,16 @@ impl CustomOp3 for Ssd {
             dims: self.dims,
             chunk_size: self.chunk_size,
             state_dtype: self.state_dtype,
+            keep: self.keep,
         };
-        let (y, last) = cuda::ssd(&fused)?;
+        let (y, last, kept) = cuda::ssd(&fused)?;
         self.final_state.put(self.name(), Storage::Cuda(last))?;
+        if let Some(k) = kept {
+            match self.kept.lock() {
+                Ok(mut slot) => *slot = Some(k.into_tensor(&self.dims)),
+                Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
+            }
+        }
         let d = &self.dims;
         Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
     }
@@ -251,13 +263,65 @@ pub fn ssd(
     c: &Tensor,
     opts: &SsdOptions,
 ) -> Result<(Tensor, Tensor)> {
+    let (y, last, _) = forward((x, dt, a, b, c), opts, false)?;
+    Ok((y, last))
+}
+
+/// What [`ssd_saving`] keeps of its forward for [`ssd_backward_saved`]: on CUDA, the chunk states
+/// at the chunk the backward reads them, so that the backward does not compute them again. Empty
+/// on the CPU (its backward computes what it needs) and for calls that record gradients (the
+/// recorded op keeps its own).
+#[derive(Debug, Default)]
+pub struct SsdSaved {
+    states: Option<(Tensor, usize)>,
+}
+
+impl SsdSaved {
+    /// Whether the backward will compute the chunk states itself.
+    pub fn is_empty(&self) -> bool {
+        self.states.is_none()
+    }
+
+    /// The bytes held on the device.
+    pub fn device_bytes(&self) -> usize {
+        self.states
+            .as_ref()
+            .map_or(0, |(s, _)| s.elem_count() * s.dtype().size_in_bytes())
+    }
+}
+
+/// [`ssd`] for a caller that runs [`ssd_backward_saved`] next (its own backward pass, as a
+/// training step does): the same outputs, and the chunk states kept for the backward, which then
+/// skips computing them again (a state pass). On CUDA the call runs at the backward's chunk (128 or 64 tokens) whatever
+/// `opts.chunk_size`: the results do not depend on the chunk beyond rounding. The states take
+/// `B·H·(⌈L/chunk⌉+1)·P·N` elements of the state dtype ([`SsdSaved::device_bytes`]) until the
+/// backward releases them.
+pub fn ssd_saving(
+    x: &Tensor,
+    dt: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: &SsdOptions,
+) -> Result<(Tensor, Tensor, SsdSaved)> {
+    forward((x, dt, a, b, c), opts, true)
+}
+
+/// [`ssd`] and [`ssd_saving`]: the recorded op when an input records gradients, else the plain
+/// op, keeping the chunk states with `keep` on CUDA.
+fn forward(
+    (x, dt, a, b, c): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    opts: &SsdOptions,
+    keep: bool,
+) -> Result<(Tensor, Tensor, SsdSaved)> {
     let dims = checked((x, dt, a, b, c), opts)?;
     let optional = [opts.d, opts.z, opts.initial_state, opts.dt.bias];
     let inputs = [x, dt, a, b, c]
         .into_iter()
         .chain(optional.into_iter().flatten());
     if inputs.into_iter().any(Tensor::track_op) {
-        return autograd::ssd((x, dt, a, b, c), opts, dims);
+        let (y, last) = autograd::ssd((x, dt, a, b, c), opts, dims)?;
+        return Ok((y, last, SsdSaved::default()));
     }
     let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
     let init = opts
@@ -276,13 +340,19 @@ pub fn ssd(
         chunk_size: opts.chunk_size,
         state_dtype: opts.state_dtype,
         final_state: Slot::default(),
+        keep: keep && x.device().is_cuda(),
+        kept: std::sync::Mutex::new(None),
     };
     let y = x
         .contiguous()?
         .apply_op3_no_bwd(&b.contiguous()?, &c.contiguous()?, &op)?;
     let last_shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
     let last = op.final_state.take("ssd", "final state", last_shape)?;
-    Ok((y, last))
+    let states = match op.kept.into_inner() {
+        Ok(kept) => kept,
+        Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
+    };
+    Ok((y, last, SsdSaved { states }))
 }
 
 /// The gradients of [`ssd`]'s inputs that [`ssd_backward`] returns: x, dt, b and c in their
@@ -343,6 +413,24 @@ pub fn ssd_backward(
     dy: &Tensor,
     dlast: Option<&Tensor>,
 ) -> Result<SsdGrads> {
+    ssd_backward_saved(SsdSaved::default(), x, dt, a, b, c, opts, dy, dlast)
+}
+
+/// [`ssd_backward`] after [`ssd_saving`] on the same inputs and options: the same gradients,
+/// from the chunk states the forward kept (released once read). States of another call are
+/// refused when their shape or dtype shows it; the inputs must be the forward's.
+#[allow(clippy::too_many_arguments)]
+pub fn ssd_backward_saved(
+    saved: SsdSaved,
+    x: &Tensor,
+    dt: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    opts: &SsdOptions,
+    dy: &Tensor,
+    dlast: Option<&Tensor>,
+) -> Result<SsdGrads> {
     let op = "ssd_backward";
     let dims = checked((x, dt, a, b, c), opts)?;
     if opts.z.is_some() {
@@ -357,6 +445,9 @@ pub fn ssd_backward(
     let plain = |t: &Tensor| t.detach();
     let (x, dt, a, b, c, dy) = (plain(x), plain(dt), plain(a), plain(b), plain(c), plain(dy));
     let dlast = dlast.map(plain);
+    if let Some((states, _)) = &saved.states {
+        check::device(op, "saved chunk states", states, &x)?;
+    }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
         let held = |t: &Tensor| t.contiguous();
@@ -375,7 +466,7 @@ pub fn ssd_backward(
         let (xc, bc, cc) = (held(&x)?, held(&b)?, held(&c)?);
         let dyc = dy.to_dtype(x.dtype())?.contiguous()?;
         let af = a.to_dtype(DType::F32)?.contiguous()?;
-        let g = cuda::ssd_backward(&cuda::Backward {
+        let g = cuda::ssd_backward(cuda::Backward {
             x: &xc,
             b: &bc,
             c: &cc,
@@ -392,6 +483,7 @@ pub fn ssd_backward(
             dlast: dlast.as_ref(),
             dims,
             state_dtype: opts.state_dtype,
+            kept: saved.states,
         })?;
         return Ok(SsdGrads {
             x: g.x,

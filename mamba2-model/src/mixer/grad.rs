@@ -15,7 +15,7 @@
 //! ```text
 //! dyn = dout · W_out,  dW_out = doutᵀ · yn                     yn = gated_rms_norm(y, z)
 //! (dy, dz, dnorm.w) = gated_rms_norm_backward(y, z, dyn)
-//! (dx, dB, dC, ddt, dA, ddt_bias, dD) = ssd_backward(x, dt, A, B, C, dy)
+//! (dx, dB, dC, ddt, dA, ddt_bias, dD) = ssd_backward(x, dt, A, B, C, dy)   (the forward's chunk states kept)
 //! (dxBC_in, dconv.w, dconv.b) = causal_conv1d_split_backward(xBC_in, [dx, dB, dC])
 //! du = [dz | dxBC_in | ddt] · W_in,  dW_in = [dz | dxBC_in | ddt]ᵀ · u
 //! ```
@@ -30,12 +30,15 @@
 //! the rows of in_proj's output and of its gradient start 16-byte aligned: cuBLAS runs products on
 //! rows of any other width on its older, alignment-2 kernels, about 2.5× slower on the H200.
 
+use std::sync::Mutex;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D};
 use candle_nn::Linear;
 use mamba2_kernels::{
     causal_conv1d_split, causal_conv1d_split_backward_into, gated_rms_norm,
-    gated_rms_norm_backward_into, ssd, ssd_backward, ConvOptions, DtOptions, SsdOptions,
+    gated_rms_norm_backward_into, ssd_backward_saved, ssd_saving, ConvOptions, DtOptions,
+    SsdOptions, SsdSaved,
 };
 
 use super::{rows_linear, Mixer};
@@ -70,6 +73,8 @@ struct Kept {
     /// The scan's output `[B,L,d_inner]` and the gated norm's.
     y: Tensor,
     yn: Tensor,
+    /// The scan's chunk states, until the backward takes them.
+    scan: Mutex<Option<SsdSaved>>,
 }
 
 /// The recorded mixer on `(u, w, p)`; also one block's part of the recorded blocks
@@ -129,7 +134,7 @@ impl Mixer {
         let cm = parts[2].reshape(groups)?;
         let (chunk, dt_limit) = (self.chunk_for(u), self.dt_limit);
         let opts = scan_options(w, chunk, dt_limit);
-        let (y, _) = ssd(&x, &dt, &w.a, &bm, &cm, &opts)?;
+        let (y, _, saved) = ssd_saving(&x, &dt, &w.a, &bm, &cm, &opts)?;
         let y = y.reshape((b, l, di))?;
         let yn = gated_rms_norm(&y, &z, &w.norm, self.group_size, self.eps)?;
         let out = rows_linear(&Linear::new(w.w_out.clone(), w.b_out.clone()), &yn)?;
@@ -141,6 +146,7 @@ impl Mixer {
                 cm,
                 y,
                 yn,
+                scan: Mutex::new(Some(saved)),
             },
             out,
             sizes: (di, h, p, gn),
@@ -324,7 +330,12 @@ impl Fused for MixerGrad {
             (&dproj, 0),
         )?;
         let dt = k.zxbcdt.narrow(D::Minus1, 2 * di + 2 * gn, h)?;
-        let g = ssd_backward(
+        let saved = match k.scan.lock() {
+            Ok(mut slot) => slot.take().unwrap_or_default(),
+            Err(_) => bail!("mixer: the scan's kept states are poisoned"),
+        };
+        let g = ssd_backward_saved(
+            saved,
             &k.x,
             &dt,
             &w.a,

@@ -31,31 +31,42 @@ pub(super) struct OutPtrs {
     pub y: u64,
 }
 
-/// Launches compute_out with values of type `vt` and chunk states of type `st`; `early` when the
-/// kernel before it on the stream is the state pass's last, which wrote only the states (see
-/// `SsdParams::early`), and those states are `ssd`'s own intermediates.
+/// What comes before compute_out on its stream.
+#[derive(Clone, Copy)]
+pub(super) enum After {
+    /// Any kernels: compute_out waits for them before its first load.
+    Any,
+    /// `ssd`'s state pass, whose last kernel wrote only the states (see `SsdParams::early`);
+    /// `kept`: the states outlive the call (kept for the backward), else compute_out is their
+    /// last reader.
+    StatePass { kept: bool },
+}
+
+/// Launches compute_out with values of type `vt` and chunk states of type `st`, after `after`.
 pub(super) fn out_pass(
     d: &SsdDims,
     chunk: usize,
     (vt, st): (DType, DType),
     p: &OutPtrs,
     d_per_channel: bool,
-    early: bool,
+    after: After,
     stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let name = "compute_out";
     let nchunks = d.nchunks(chunk);
     let mut kp = SsdParams::new(d, chunk)?;
     kp.d_per_channel = d_per_channel as i32;
-    kp.early = early as i32;
-    // After the state pass (`ssd`) the states are its own intermediates and compute_out is their
-    // last reader: it drops each tile's L2 lines once loaded, so that the lines still dirty there
-    // are never written back, which the next kernels would pay for in DRAM bandwidth. Only where
-    // the states fit in half the L2: larger ones have mostly been written back before compute_out
-    // reads them, and the drops then cost more than they save.
+    kp.early = matches!(after, After::StatePass { .. }) as i32;
+    // Where the states are `ssd`'s own intermediates compute_out is their last reader: it drops
+    // each tile's L2 lines once loaded, so that the lines still dirty there are never written
+    // back, which the next kernels would pay for in DRAM bandwidth (their memory is undefined
+    // after that, so never for kept states). Only where the states fit in half the L2: larger
+    // ones have mostly been written back before compute_out reads them, and the drops then cost
+    // more than they save.
     let states_bytes = d.chunk_states_len(chunk) * st.size_in_bytes();
+    let last_reader = matches!(after, After::StatePass { kept: false });
     kp.discard_states =
-        (early && p.states % 128 == 0 && states_bytes <= l2_bytes(stream)? / 2) as i32;
+        (last_reader && p.states % 128 == 0 && states_bytes <= l2_bytes(stream)? / 2) as i32;
     let (t, s) = (ty(name, vt)?, ty(name, st)?);
     // 16-byte aligned x, b, c and states for the tile copies; z is read in pairs.
     let aligned = [p.x, p.b, p.c, p.states].iter().all(|a| a % 16 == 0) && p.z % 4 == 0;

@@ -17,18 +17,22 @@ mod params;
 #[cfg(feature = "timeline")]
 pub(super) mod timeline;
 
+use std::sync::Arc;
+
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
 use self::bwd_chunk_cumsum::launch_bwd_stage1;
 use self::bwd_compute_out::{launch_bwd_out, launch_bwd_round, BwdOutPtrs};
 use self::bwd_pass_state::{bwd_state_pass, BwdStatePtrs, TOKENS};
-use self::compute_out::{out_pass, OutPtrs};
+use self::compute_out::{out_pass, After, OutPtrs};
 use self::fwd_pass_state::{chunk_state_tile, launch_chunk_state, state_pass, PassPtrs, RawSteps};
 use self::params::{SsdParams, SsdSteps};
 use crate::check::SsdDims;
 use crate::cuda::{alloc, opt_ptr, ptr, rows_ptr, scratch, ty, written, zeroed, Guards, Held};
 use crate::dt::DtRule;
+use crate::ssd::plan::ChunkStateTile;
 use crate::DtOptions;
 
 /// A candle argument of an op: its storage and layout.
@@ -149,7 +153,15 @@ pub(super) fn compute_out(op: &OutPass) -> Result<(CudaStorage, Shape)> {
     };
     let d_per_channel = op.d.is_some_and(|t| t.rank() == 2);
     let types = (x_s.dtype(), st_s.dtype());
-    out_pass(&d, op.chunk_size, types, &p, d_per_channel, false, &stream)?;
+    out_pass(
+        &d,
+        op.chunk_size,
+        types,
+        &p,
+        d_per_channel,
+        After::Any,
+        &stream,
+    )?;
     written(&mut out, &stream)?;
     Ok((out, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
 }
@@ -170,15 +182,45 @@ pub(crate) struct Fused<'a> {
     pub dims: SsdDims,
     pub chunk_size: usize,
     pub state_dtype: DType,
+    /// Keep the chunk states for the backward: the call then runs at the backward's state chunk
+    /// ([`state_chunk`]) and allocates them apart from the scratch buffer.
+    pub keep: bool,
+}
+
+/// The chunk states an `ssd` call kept for its backward, `[B,H,C+1,P,N]` at `chunk` tokens.
+pub(crate) struct KeptStates {
+    states: CudaStorage,
+    chunk: usize,
+}
+
+impl KeptStates {
+    /// The states as a tensor of the call's dimensions `d`, and their chunk.
+    pub fn into_tensor(self, d: &SsdDims) -> (Tensor, usize) {
+        let shape = (
+            d.batch,
+            d.nheads,
+            d.nchunks(self.chunk) + 1,
+            d.headdim,
+            d.dstate,
+        );
+        let states = Tensor::from_storage(
+            candle_core::Storage::Cuda(self.states),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        );
+        (states, self.chunk)
+    }
 }
 
 /// The `ssd` op: the state pass and compute_out launched back to back from here, stage 1's step
 /// sizes and the chunk states in the stream's scratch buffer ([`scratch`]), y and the final state
 /// allocated once the first kernel is on its way. For calls whose intermediates fit that buffer
-/// nothing is allocated before the first launch. Returns `(y, final state)`.
-pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage)> {
+/// nothing is allocated before the first launch. Returns `(y, final state)` and, with `keep`, the
+/// chunk states.
+pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptStates>)> {
     let name = "ssd";
-    let (d, chunk) = (op.dims, op.chunk_size);
+    let d = op.dims;
     let ((x_s, x_l), (b_s, b_l), (c_s, c_l)) = (op.x, op.b, op.c);
     let (dt, a, bias) = (Held::new(op.dt), Held::new(op.a), op.dt_bias.map(Held::new));
     let (dskip, z, init) = (
@@ -190,19 +232,42 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage)> {
     let stream = dev.cuda_stream();
     let (vt, st) = (x_s.dtype(), op.state_dtype);
     let bhl = d.batch * d.nheads * d.seqlen;
-    // [chunk states | dt_out | da_cumsum], each part 256-byte aligned.
-    let states_bytes = (d.chunk_states_len(chunk) * st.size_in_bytes()).next_multiple_of(256);
-    let scratch = scratch::take(&stream, states_bytes + 8 * bhl)?;
-    let states = scratch.ptr();
-    let steps = states + states_bytes as u64;
-    let dt_s = dt.cuda(name, "dt")?;
     // The inputs' read events are recorded once every kernel is launched (the guards' drop).
     let mut guards = Guards::new();
-    let (dt_raw, dt_stride, g) = rows_ptr(name, "dt", dt_s, dt.layout, &stream)?;
-    guards.push(g);
     let (x_p, g) = ptr(name, "x", x_s, x_l, &stream)?;
     guards.push(g);
     let (b_p, g) = ptr(name, "b", b_s, b_l, &stream)?;
+    guards.push(g);
+    // The backward's chunk as its chunk terms of dY and C would choose it, x and b standing in
+    // for them.
+    let chunk = if op.keep {
+        let like = PassPtrs {
+            x: x_p,
+            b: b_p,
+            init: 0,
+            states: 0,
+            dt: 0,
+            da: 0,
+        };
+        state_chunk(&d, (vt, st), &like, &stream)?.0
+    } else {
+        op.chunk_size
+    };
+    let states_len = d.chunk_states_len(chunk);
+    // [chunk states | dt_out | da_cumsum], each part 256-byte aligned; kept states apart.
+    let mut kept = op.keep.then(|| alloc(dev, st, states_len)).transpose()?;
+    let states_bytes = match kept {
+        Some(_) => 0,
+        None => (states_len * st.size_in_bytes()).next_multiple_of(256),
+    };
+    let scratch = scratch::take(&stream, states_bytes + 8 * bhl)?;
+    let steps = scratch.ptr() + states_bytes as u64;
+    let states = match &kept {
+        Some(s) => ptr(name, "states", s, &Layout::contiguous(states_len), &stream)?.0,
+        None => scratch.ptr(),
+    };
+    let dt_s = dt.cuda(name, "dt")?;
+    let (dt_raw, dt_stride, g) = rows_ptr(name, "dt", dt_s, dt.layout, &stream)?;
     guards.push(g);
     let raw = RawSteps {
         steps: SsdSteps::new(
@@ -249,11 +314,35 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage)> {
         y: ptr(name, "y", &y, &Layout::contiguous(total), &stream)?.0,
     };
     let d_per_channel = op.d.is_some_and(|t| t.rank() == 2);
-    out_pass(&d, chunk, (vt, st), &o, d_per_channel, true, &stream)?;
+    let after = After::StatePass { kept: op.keep };
+    out_pass(&d, chunk, (vt, st), &o, d_per_channel, after, &stream)?;
     drop(guards);
     written(&mut y, &stream)?;
     written(&mut last, &stream)?;
-    Ok((y, last))
+    if let Some(s) = &mut kept {
+        written(s, &stream)?;
+    }
+    let kept = kept.map(|states| KeptStates { states, chunk });
+    Ok((y, last, kept))
+}
+
+/// The chunk of the backward's state passes and chunk_state_mma's tile for their chunk terms of
+/// dY and C (`terms`): 2·[`TOKENS`] where bwd_compute_out can form the half-way states itself
+/// (P ≤ [`TOKENS`]), the states are wide enough for the halved state passes to outweigh that
+/// product (N ≥ 128) and chunk_state_mma takes the shape; else [`TOKENS`] (the backward kernels'
+/// tiles are sized for it), with the tile where chunk_state_mma takes that chunk.
+fn state_chunk(
+    d: &SsdDims,
+    types: (DType, DType),
+    terms: &PassPtrs,
+    stream: &Arc<CudaStream>,
+) -> Result<(usize, Option<ChunkStateTile>)> {
+    if d.headdim <= TOKENS && d.dstate >= 128 {
+        if let Some(tile) = chunk_state_tile(d, 2 * TOKENS, types, terms, stream)? {
+            return Ok((2 * TOKENS, Some(tile)));
+        }
+    }
+    Ok((TOKENS, chunk_state_tile(d, TOKENS, types, terms, stream)?))
 }
 
 /// The backward's inputs: the forward's tensors (x, b and c contiguous in the value type, `init`
@@ -272,6 +361,9 @@ pub(crate) struct Backward<'a> {
     pub dlast: Option<&'a Tensor>,
     pub dims: SsdDims,
     pub state_dtype: DType,
+    /// The forward's chunk states (`ssd` with `keep`), used where they are at the backward's
+    /// chunk, released once read.
+    pub kept: Option<(Tensor, usize)>,
 }
 
 /// The gradients of [`Backward`]'s inputs: x, b and c (`[B,L,G,N]`) in x's type, raw dt in its
@@ -287,14 +379,11 @@ pub(crate) struct BackwardGrads {
     pub init: Option<Tensor>,
 }
 
-/// The SSD backward on CUDA. Stage 1 and the chunk states are computed again (the SSD's results
-/// do not depend on the chunk) at chunks of 2·[`TOKENS`] where bwd_compute_out can form the
-/// half-way states itself (P ≤ [`TOKENS`]), the states are wide enough for the halved state
-/// passes to outweigh that product (N ≥ 128) and the forward's chunk_state_mma takes the state
-/// gradients' chunk terms; else of [`TOKENS`] (the backward kernels' tiles are sized for it).
-/// Then the state gradients (bwd_pass_state), each chunk's gradients (bwd_compute_out, [`TOKENS`]
-/// tokens a program) and the dt processing's (bwd_chunk_cumsum).
-pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
+/// The SSD backward on CUDA. Stage 1 is computed again at the chunk of [`state_chunk`] (the
+/// SSD's results do not depend on the chunk), the chunk states too unless the forward kept them
+/// at that chunk. Then the state gradients (bwd_pass_state), each chunk's gradients
+/// (bwd_compute_out, [`TOKENS`] tokens a program) and the dt processing's (bwd_chunk_cumsum).
+pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     let name = "ssd backward";
     let d = op.dims;
     let dev = op.x.device().as_cuda_device()?;
@@ -324,22 +413,26 @@ pub(super) fn ssd_backward(op: &Backward) -> Result<BackwardGrads> {
         da: 0,
     };
     let types = (op.x.dtype(), op.state_dtype);
-    let wide = if d.headdim <= TOKENS && d.dstate >= 128 {
-        chunk_state_tile(&d, 2 * TOKENS, types, &terms, &stream)?
-    } else {
-        None
-    };
-    let (chunk, tile) = match wide {
-        Some(tile) => (2 * TOKENS, Some(tile)),
-        None => (
-            TOKENS,
-            chunk_state_tile(&d, TOKENS, types, &terms, &stream)?,
-        ),
-    };
+    let (chunk, tile) = state_chunk(&d, types, &terms, &stream)?;
     let (dt_out, da) = super::stages::chunk_cumsum(op.dt, op.a, &op.dt_opts, chunk)?;
-    let states =
-        super::stages::fwd_pass_state(op.x, op.b, &dt_out, &da, op.init, chunk, op.state_dtype)?;
     let nch = d.nchunks(chunk);
+    let states = match op.kept {
+        Some((states, at)) if at == chunk => {
+            let shape = [d.batch, d.nheads, nch + 1, d.headdim, d.dstate];
+            if states.dims() != shape || states.dtype() != op.state_dtype {
+                bail!(
+                    "{name}: the kept chunk states are {:?} {:?}, not {shape:?} {:?}: they come from another call",
+                    states.dims(),
+                    states.dtype(),
+                    op.state_dtype
+                )
+            }
+            states
+        }
+        _ => {
+            super::stages::fwd_pass_state(op.x, op.b, &dt_out, &da, op.init, chunk, op.state_dtype)?
+        }
+    };
     let p = SsdParams::new(&d, chunk)?;
     let (hdt, hda, hstates) = (Held::new(&dt_out), Held::new(&da), Held::new(&states));
     let (ha, hd) = (Held::new(op.a), op.d.map(Held::new));
