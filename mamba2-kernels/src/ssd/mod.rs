@@ -21,8 +21,9 @@
 //! records (`autograd`), whose backward (`grad`) gives the gradients of x, dt (through dt_bias,
 //! softplus and the dt_limit clamp), a, b, c, D, z and the initial state, from those of y and the
 //! final state; it runs on the CPU and on CUDA (the `bwd_*` kernels: programs of 64 tokens, the
-//! state passes at chunks of 128 or 64 whatever the forward's), and [`ssd_backward`] is the same
-//! backward without autograd. Otherwise:
+//! state passes at chunks of 128 or 64; the recorded forward runs at that chunk and keeps its
+//! chunk states for them), and [`ssd_backward`] is the same backward without autograd
+//! ([`ssd_saving`] + [`ssd_backward_saved`] with the states kept). Otherwise:
 //! on the CPU `ssd` runs the three stages' functions (`cpu`); on CUDA one launcher queues the
 //! kernels of all three back to back (`cuda`: stage 1 inside the state pass's first kernel where
 //! it pays, the intermediates in scratch memory kept per stream), so that a call spends little
