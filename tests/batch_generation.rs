@@ -201,8 +201,11 @@ fn prefill_in_pieces_split_anywhere_gives_the_states_and_logits_of_one_call() ->
         for (l, (a, b)) in cache.layers().iter().zip(one.layers()).enumerate() {
             let (es, ec) = (rel(&a.ssm, &b.ssm)?, rel(&a.conv, &b.conv)?);
             worst = (worst.0.max(es), worst.1.max(ec));
+            // The states sum a thousand tokens' f32 updates along other chunk boundaries, in an
+            // order that also depends on the CPU's vector width (the matmul kernels candle picks
+            // for it): about 32 ulps.
             assert!(
-                es <= 2e-6 && ec <= 2e-6,
+                es <= 4e-6 && ec <= 4e-6,
                 "splits {splits:?}, layer {l}: ssm {es:e}, conv {ec:e}"
             );
         }
