@@ -577,17 +577,22 @@ __device__ __forceinline__ void block_in(bf16* dst, const S* src, size_t stride,
   }
 }
 
-// The descriptor of a Swizzled tile at shared address `base` from element (r, c): the rows are
-// M or N and c the K offset of a K-major operand, or the rows are K and c the M or N offset of an
-// MN-major one (a range within one 64-column block either way).
-__device__ __forceinline__ uint64_t desc_at(uint32_t base, int r, int c) {
-  return m2::wgmma_desc<128>(base + ((c >> 6) * TOKENS + r) * 128 + (c & 63) * 2);
+// The descriptor of a Swizzled tile at element (r, c), from `tile`, the descriptor of its start:
+// the rows are M or N and c the K offset of a K-major operand, or the rows are K and c the M or N
+// offset of an MN-major one (a range within one 64-column block either way). The offset, a
+// multiple of 16 bytes, is added to the start's address field (its low 14 bits, 16-byte units):
+// every shared address fits them, so nothing carries out, and the descriptor is not built again
+// per K step.
+__device__ __forceinline__ uint64_t desc_at(uint64_t tile, int r, int c) {
+  const uint32_t step = static_cast<uint32_t>(((c >> 6) * TOKENS + r) * 128 + (c & 63) * 2) >> 4;
+  return (tile & 0xffffffff00000000ull) | (static_cast<uint32_t>(tile) + step);
 }
 
-// One warpgroup's D (+)= A·B over K = 16·KS, A and B described from (ra, ca) and (rb, cb) with
-// the K offset 16·ks added to the K-major operand's column or the MN-major operand's row.
+// One warpgroup's D (+)= A·B over K = 16·KS, A and B from the tiles of descriptors a and b at
+// (ra, ca) and (rb, cb), with the K offset 16·ks added to the K-major operand's column or the
+// MN-major operand's row.
 template <int NJ, int TA, int TB, int KS>
-__device__ __forceinline__ void product(float (&acc)[NJ][4], uint32_t a, int ra, int ca, uint32_t b,
+__device__ __forceinline__ void product(float (&acc)[NJ][4], uint64_t a, int ra, int ca, uint64_t b,
                                         int rb, int cb) {
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
@@ -638,7 +643,9 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
                     al(hsrc) && al(dhsrc);
   const bool state = at.mid == MID_STATE;
   bf16* mt = state ? hs : dhs;
-  const int g = warp / 4, m0 = warp % 4 * 16, cw = g * 32;
+  // The warpgroup by a shuffle from lane 0: the compiler then knows it uniform across the warp and
+  // keeps the descriptors' offsets in uniform registers.
+  const int g = __shfl_sync(0xffffffffu, warp / 4, 0), m0 = warp % 4 * 16, cw = g * 32;
   // The mid-chunk tile's other term, this thread's pairs of it in every block, loaded ahead of
   // everything (their latency under the copies).
   typename Pair<S>::Raw sv[NB][4][2];
@@ -681,9 +688,10 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   }
   m2::cp_async_commit();
 
-  const uint32_t xa = m2::smem_addr(xs), dya = m2::smem_addr(dys), ba = m2::smem_addr(bs),
-                 ca = m2::smem_addr(cs), ha = m2::smem_addr(hs), dha = m2::smem_addr(dhs),
-                 wa = m2::smem_addr(ws), aa = m2::smem_addr(as);
+  // Each tile's descriptor, once.
+  auto tile = [](const bf16* t) { return m2::wgmma_desc<128>(m2::smem_addr(t)); };
+  const uint64_t xa = tile(xs), dya = tile(dys), ba = tile(bs), ca = tile(cs), ha = tile(hs),
+                 dha = tile(dhs), wa = tile(ws), aa = tile(as);
   // The mid-chunk tile: the weighted rows' product over the other half, written over its B or C
   // rows one block of 64 columns at a time, once both warpgroups have read that block.
   if (at.mid != MID_NONE) {
@@ -693,7 +701,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     m2::fence_proxy_async();  // the weighted rows, before wgmma reads them
     __syncthreads();
     const float f = mid_factor(da, at);
-    const uint32_t mta = state ? ha : dha;
+    const uint64_t mta = state ? ha : dha;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       const int n1 = 64 * nb + cw;
