@@ -98,6 +98,55 @@ impl Inputs {
     }
 }
 
+/// A case's inputs on the GPU in the values' dtype (a = −exp(a_log), bias, D and the initial
+/// state f32), with y's and the final state's weights as gradients (`dy`, `ws`).
+struct OnDevice {
+    x: Tensor,
+    dt: Tensor,
+    a: Tensor,
+    b: Tensor,
+    c: Tensor,
+    bias: Tensor,
+    d: Tensor,
+    init: Tensor,
+    dy: Tensor,
+    ws: Tensor,
+}
+
+impl OnDevice {
+    fn new(inp: &Inputs, dtype: DType, dev: &Device) -> Result<Self> {
+        let on = |t: &Tensor, dt: DType| -> Result<Tensor> { t.to_device(dev)?.to_dtype(dt) };
+        Ok(Self {
+            x: on(&inp.x, dtype)?,
+            dt: on(&inp.dt, dtype)?,
+            a: on(&inp.a_log, DType::F32)?.exp()?.neg()?,
+            b: on(&inp.b, dtype)?,
+            c: on(&inp.c, dtype)?,
+            bias: on(&inp.bias, DType::F32)?,
+            d: on(inp.d.as_ref().expect("D"), DType::F32)?,
+            init: on(inp.init.as_ref().expect("init"), DType::F32)?,
+            dy: on(&inp.wy, dtype)?,
+            ws: on(&inp.ws, DType::F32)?,
+        })
+    }
+
+    /// Case `k`'s options on these tensors (no z).
+    fn opts(&self, k: &Case) -> SsdOptions<'_> {
+        SsdOptions {
+            chunk_size: k.chunk,
+            dt: DtOptions {
+                bias: Some(&self.bias),
+                softplus: k.softplus,
+                limit: k.limit,
+            },
+            d: Some(&self.d),
+            z: None,
+            initial_state: Some(&self.init),
+            state_dtype: k.state_dtype,
+        }
+    }
+}
+
 /// Every named gradient of the loss Σ y·wy + Σ final·ws, computed on `dev` in `dtype`
 /// (returned as f32 host tensors), through `ssd` or (`xbc`) `ssd_xbc`.
 fn grads(
@@ -424,49 +473,26 @@ fn ssd_backward_matches_autograd() -> Result<()> {
     };
     let inp = Inputs::new(&k, 9, DType::BF16)?;
     for dtype in [DType::F32, DType::BF16] {
-        let on = |t: &Tensor, dt: DType| -> Result<Tensor> { t.to_device(&dev)?.to_dtype(dt) };
-        let (x, dtv, b, c) = (
-            on(&inp.x, dtype)?,
-            on(&inp.dt, dtype)?,
-            on(&inp.b, dtype)?,
-            on(&inp.c, dtype)?,
-        );
-        let a = on(&inp.a_log, DType::F32)?.exp()?.neg()?;
-        let (bias, d, init) = (
-            on(&inp.bias, DType::F32)?,
-            on(inp.d.as_ref().expect("D"), DType::F32)?,
-            on(inp.init.as_ref().expect("init"), DType::F32)?,
-        );
-        let opts = SsdOptions {
-            chunk_size: k.chunk,
-            dt: DtOptions {
-                bias: Some(&bias),
-                softplus: k.softplus,
-                limit: k.limit,
-            },
-            d: Some(&d),
-            z: None,
-            initial_state: Some(&init),
-            state_dtype: k.state_dtype,
-        };
-        let dy = on(&inp.wy, dtype)?;
-        let ws = on(&inp.ws, DType::F32)?;
+        let t = OnDevice::new(&inp, dtype, &dev)?;
+        let (x, dtv, a, b, c) = (&t.x, &t.dt, &t.a, &t.b, &t.c);
+        let opts = t.opts(&k);
+        let (dy, ws) = (&t.dy, &t.ws);
         for with_last in [false, true] {
-            let g = ssd_backward(&x, &dtv, &a, &b, &c, &opts, &dy, with_last.then_some(&ws))?;
-            let vars = [&x, &dtv, &b, &c].map(Var::from_tensor);
+            let g = ssd_backward(x, dtv, a, b, c, &opts, dy, with_last.then_some(ws))?;
+            let vars = [x, dtv, b, c].map(Var::from_tensor);
             let [xv, dv, bv, cv] = vars;
             let (xv, dv, bv, cv) = (xv?, dv?, bv?, cv?);
             let (y, last) = ssd(
                 xv.as_tensor(),
                 dv.as_tensor(),
-                &a,
+                a,
                 bv.as_tensor(),
                 cv.as_tensor(),
                 &opts,
             )?;
             let mut loss = (y.to_dtype(DType::F32)? * dy.to_dtype(DType::F32)?)?.sum_all()?;
             if with_last {
-                loss = (loss + (last.to_dtype(DType::F32)? * &ws)?.sum_all()?)?;
+                loss = (loss + (last.to_dtype(DType::F32)? * ws)?.sum_all()?)?;
             }
             let store = loss.backward()?;
             for (name, v, got) in [
@@ -518,34 +544,12 @@ fn kept_states_give_the_same_gradients() -> Result<()> {
         (narrow, DType::BF16),
     ] {
         let inp = Inputs::new(&k, 17, dtype)?;
-        let on = |t: &Tensor, dt: DType| -> Result<Tensor> { t.to_device(&dev)?.to_dtype(dt) };
-        let (x, dtv, b, c) = (
-            on(&inp.x, dtype)?,
-            on(&inp.dt, dtype)?,
-            on(&inp.b, dtype)?,
-            on(&inp.c, dtype)?,
-        );
-        let a = on(&inp.a_log, DType::F32)?.exp()?.neg()?;
-        let (bias, d, init) = (
-            on(&inp.bias, DType::F32)?,
-            on(inp.d.as_ref().expect("D"), DType::F32)?,
-            on(inp.init.as_ref().expect("init"), DType::F32)?,
-        );
-        let opts = SsdOptions {
-            chunk_size: k.chunk,
-            dt: DtOptions {
-                bias: Some(&bias),
-                softplus: k.softplus,
-                limit: k.limit,
-            },
-            d: Some(&d),
-            z: None,
-            initial_state: Some(&init),
-            state_dtype: k.state_dtype,
-        };
-        let (dy, ws) = (on(&inp.wy, dtype)?, on(&inp.ws, DType::F32)?);
-        let (y, last) = ssd(&x, &dtv, &a, &b, &c, &opts)?;
-        let (y_kept, last_kept, saved) = ssd_saving(&x, &dtv, &a, &b, &c, &opts)?;
+        let t = OnDevice::new(&inp, dtype, &dev)?;
+        let (x, dtv, a, b, c) = (&t.x, &t.dt, &t.a, &t.b, &t.c);
+        let opts = t.opts(&k);
+        let (dy, ws) = (&t.dy, &t.ws);
+        let (y, last) = ssd(x, dtv, a, b, c, &opts)?;
+        let (y_kept, last_kept, saved) = ssd_saving(x, dtv, a, b, c, &opts)?;
         assert!(!saved.is_empty(), "{k:?}: no states kept");
         let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
         let close = |name: &str, want: &Tensor, got: &Tensor| -> Result<()> {
@@ -560,8 +564,8 @@ fn kept_states_give_the_same_gradients() -> Result<()> {
         };
         close("y", &y, &y_kept)?;
         close("final state", &last, &last_kept)?;
-        let want = ssd_backward(&x, &dtv, &a, &b, &c, &opts, &dy, Some(&ws))?;
-        let got = ssd_backward_saved(saved, &x, &dtv, &a, &b, &c, &opts, &dy, Some(&ws))?;
+        let want = ssd_backward(x, dtv, a, b, c, &opts, dy, Some(ws))?;
+        let got = ssd_backward_saved(saved, x, dtv, a, b, c, &opts, dy, Some(ws))?;
         for (name, w, g) in [
             ("x", &want.x, &got.x),
             ("dt", &want.dt, &got.dt),

@@ -293,10 +293,10 @@ impl SsdSaved {
 
 /// [`ssd`] for a caller that runs [`ssd_backward_saved`] next (its own backward pass, as a
 /// training step does): the same outputs, and the chunk states kept for the backward, which then
-/// skips computing them again (a state pass). On CUDA the call runs at the backward's chunk (128 or 64 tokens) whatever
-/// `opts.chunk_size`: the results do not depend on the chunk beyond rounding. The states take
-/// `B·H·(⌈L/chunk⌉+1)·P·N` elements of the state dtype ([`SsdSaved::device_bytes`]) until the
-/// backward releases them.
+/// skips computing them again (a state pass). On CUDA the call runs at the backward's chunk (128
+/// or 64 tokens) whatever `opts.chunk_size`: the results do not depend on the chunk beyond
+/// rounding. The states take `B·H·(⌈L/chunk⌉+1)·P·N` elements of the state dtype
+/// ([`SsdSaved::device_bytes`]) until the backward releases them.
 pub fn ssd_saving(
     x: &Tensor,
     dt: &Tensor,
