@@ -297,6 +297,29 @@ impl SsdSaved {
 /// or 64 tokens) whatever `opts.chunk_size`: the results do not depend on the chunk beyond
 /// rounding. The states take `B·H·(⌈L/chunk⌉+1)·P·N` elements of the state dtype
 /// ([`SsdSaved::device_bytes`]) until the backward releases them.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use mamba2_kernels::{ssd_backward, ssd_backward_saved, ssd_saving, SsdOptions};
+///
+/// let dev = Device::Cpu;
+/// let (b, l, h, p, g, n) = (1, 20, 2, 4, 1, 8);
+/// let x = Tensor::randn(0f32, 1.0, (b, l, h, p), &dev)?;
+/// let dt = Tensor::rand(0.1f32, 0.5, (b, l, h), &dev)?;
+/// let a = Tensor::new(&[-1f32, -2.0], &dev)?;
+/// let bm = Tensor::randn(0f32, 1.0, (b, l, g, n), &dev)?;
+/// let cm = Tensor::randn(0f32, 1.0, (b, l, g, n), &dev)?;
+/// let opts = SsdOptions { chunk_size: 16, ..Default::default() };
+/// let (y, _, saved) = ssd_saving(&x, &dt, &a, &bm, &cm, &opts)?;
+/// let dy = y.ones_like()?;
+/// let grads = ssd_backward_saved(saved, &x, &dt, &a, &bm, &cm, &opts, &dy, None)?;
+///
+/// // The same gradients as without the kept states.
+/// let plain = ssd_backward(&x, &dt, &a, &bm, &cm, &opts, &dy, None)?;
+/// let err = (grads.x - plain.x)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(err < 1e-6, "{err}");
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 pub fn ssd_saving(
     x: &Tensor,
     dt: &Tensor,
