@@ -584,7 +584,7 @@ fn on_cuda(
         chunk: opts.chunk_size,
         state_dtype: opts.state_dtype,
         outputs: Arc::new(Outputs::default()),
-        kept: Mutex::new(None),
+        kept: super::StatesSlot::default(),
     });
     let params = [Some(a), opts.dt.bias, opts.d, opts.initial_state];
     let (first, second, chained, rows) = match route {
@@ -617,7 +617,7 @@ struct CudaHeld {
     state_dtype: DType,
     outputs: Arc<Outputs>,
     /// The forward's chunk states and their chunk, until the backward takes them.
-    kept: Mutex<Option<(Tensor, usize)>>,
+    kept: super::StatesSlot,
 }
 
 #[cfg(feature = "cuda")]
@@ -665,12 +665,7 @@ impl CudaHeld {
         let cuda = candle_core::Storage::Cuda;
         self.outputs.y.put("ssd", cuda(y))?;
         self.outputs.last.put("ssd", cuda(last))?;
-        let kept = kept.map(|k| k.into_tensor(&self.dims));
-        match self.kept.lock() {
-            Ok(mut slot) => *slot = kept,
-            Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
-        }
-        Ok(())
+        self.kept.put(kept.map(|k| k.into_tensor(&self.dims)))
     }
 
     /// The backward's kernels on the held inputs, given y's gradient and the final state's
@@ -688,10 +683,7 @@ impl CudaHeld {
             .map(|g| g.to_dtype(DType::F32)?.contiguous())
             .transpose()?;
         let rule = self.rule;
-        let kept = match self.kept.lock() {
-            Ok(mut slot) => slot.take(),
-            Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
-        };
+        let kept = self.kept.take()?;
         super::cuda::ssd_backward(super::cuda::Backward {
             x: &self.x,
             b: &self.b,

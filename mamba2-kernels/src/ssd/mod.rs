@@ -102,7 +102,29 @@ struct Ssd {
     /// backward computes its own).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     keep: bool,
-    kept: std::sync::Mutex<Option<(Tensor, usize)>>,
+    kept: StatesSlot,
+}
+
+/// The chunk states a CUDA forward kept and their chunk, until the backward takes them.
+#[derive(Debug, Default)]
+struct StatesSlot(std::sync::Mutex<Option<(Tensor, usize)>>);
+
+impl StatesSlot {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn put(&self, kept: Option<(Tensor, usize)>) -> Result<()> {
+        match self.0.lock() {
+            Ok(mut slot) => *slot = kept,
+            Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
+        }
+        Ok(())
+    }
+
+    fn take(&self) -> Result<Option<(Tensor, usize)>> {
+        match self.0.lock() {
+            Ok(mut slot) => Ok(slot.take()),
+            Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
+        }
+    }
 }
 
 impl CustomOp3 for Ssd {
@@ -155,12 +177,7 @@ impl CustomOp3 for Ssd {
         };
         let (y, last, kept) = cuda::ssd(&fused)?;
         self.final_state.put(self.name(), Storage::Cuda(last))?;
-        if let Some(k) = kept {
-            match self.kept.lock() {
-                Ok(mut slot) => *slot = Some(k.into_tensor(&self.dims)),
-                Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
-            }
-        }
+        self.kept.put(kept.map(|k| k.into_tensor(&self.dims)))?;
         let d = &self.dims;
         Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
     }
@@ -365,17 +382,14 @@ fn forward(
         state_dtype: opts.state_dtype,
         final_state: Slot::default(),
         keep: keep && x.device().is_cuda(),
-        kept: std::sync::Mutex::new(None),
+        kept: StatesSlot::default(),
     };
     let y = x
         .contiguous()?
         .apply_op3_no_bwd(&b.contiguous()?, &c.contiguous()?, &op)?;
     let last_shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
     let last = op.final_state.take("ssd", "final state", last_shape)?;
-    let states = match op.kept.into_inner() {
-        Ok(kept) => kept,
-        Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
-    };
+    let states = op.kept.take()?;
     Ok((y, last, SsdSaved { states }))
 }
 

@@ -15,13 +15,13 @@
 //! ```text
 //! dyn = dout · W_out,  dW_out = doutᵀ · yn                     yn = gated_rms_norm(y, z)
 //! (dy, dz, dnorm.w) = gated_rms_norm_backward(y, z, dyn)
-//! (dx, dB, dC, ddt, dA, ddt_bias, dD) = ssd_backward(x, dt, A, B, C, dy)   (the forward's chunk states kept)
+//! (dx, dB, dC, ddt, dA, ddt_bias, dD) = ssd_backward_saved(states; x, dt, A, B, C, dy)
 //! (dxBC_in, dconv.w, dconv.b) = causal_conv1d_split_backward(xBC_in, [dx, dB, dC])
 //! du = [dz | dxBC_in | ddt] · W_in,  dW_in = [dz | dxBC_in | ddt]ᵀ · u
 //! ```
 //!
 //! (dz and dxBC_in are written in place into one `[dz | dxBC_in | ddt]` buffer, the `_into`
-//! forms of the backwards.)
+//! forms of the backwards; `states` are the scan's chunk states, which the forward keeps.)
 //!
 //! so that candle accumulates one gradient per argument: u's, and the packed weights', which it
 //! cuts back to each weight (`cat`'s backward).
