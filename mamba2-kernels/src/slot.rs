@@ -7,13 +7,20 @@ use std::sync::Mutex;
 use candle_core::op::BackpropOp;
 use candle_core::{bail, Result, Shape, Storage, Tensor};
 
-/// A storage written by the op's forward and taken by the caller once it has run.
-#[derive(Debug, Default)]
-pub(crate) struct Slot(Mutex<Option<Storage>>);
+/// A value written by the op's forward and taken by the caller once it has run: a storage, or
+/// what else a forward leaves for later (the SSD's kept chunk states).
+#[derive(Debug)]
+pub(crate) struct Slot<T = Storage>(Mutex<Option<T>>);
 
-impl Slot {
+impl<T> Default for Slot<T> {
+    fn default() -> Self {
+        Self(Mutex::new(None))
+    }
+}
+
+impl<T> Slot<T> {
     /// Stores `s`; an op calls this once per forward.
-    pub fn put(&self, op: &str, s: Storage) -> Result<()> {
+    pub fn put(&self, op: &str, s: T) -> Result<()> {
         match self.0.lock() {
             Ok(mut slot) => {
                 *slot = Some(s);
@@ -23,13 +30,22 @@ impl Slot {
         }
     }
 
+    /// The stored value (once), `None` when the op stored none.
+    pub fn take_any(&self, op: &str) -> Result<Option<T>> {
+        match self.0.lock().map(|mut slot| slot.take()) {
+            Ok(s) => Ok(s),
+            Err(_) => bail!("{op}: output slot poisoned"),
+        }
+    }
+}
+
+impl Slot {
     /// The stored storage itself (once), for an op whose output it becomes; an error when the op
     /// stored none.
     pub fn take_storage(&self, op: &str, name: &str) -> Result<Storage> {
-        match self.0.lock().map(|mut slot| slot.take()) {
-            Ok(Some(s)) => Ok(s),
-            Ok(None) => bail!("{op}: the op produced no {name}"),
-            Err(_) => bail!("{op}: output slot poisoned"),
+        match self.take_any(op)? {
+            Some(s) => Ok(s),
+            None => bail!("{op}: the op produced no {name}"),
         }
     }
 

@@ -584,7 +584,7 @@ fn on_cuda(
         chunk: opts.chunk_size,
         state_dtype: opts.state_dtype,
         outputs: Arc::new(Outputs::default()),
-        kept: super::StatesSlot::default(),
+        kept: Slot::default(),
     });
     let params = [Some(a), opts.dt.bias, opts.d, opts.initial_state];
     let (first, second, chained, rows) = match route {
@@ -617,7 +617,7 @@ struct CudaHeld {
     state_dtype: DType,
     outputs: Arc<Outputs>,
     /// The forward's chunk states and their chunk, until the backward takes them.
-    kept: super::StatesSlot,
+    kept: Slot<(Tensor, usize)>,
 }
 
 #[cfg(feature = "cuda")]
@@ -665,7 +665,10 @@ impl CudaHeld {
         let cuda = candle_core::Storage::Cuda;
         self.outputs.y.put("ssd", cuda(y))?;
         self.outputs.last.put("ssd", cuda(last))?;
-        self.kept.put(kept.map(|k| k.into_tensor(&self.dims)))
+        match kept {
+            Some(k) => self.kept.put("ssd", k.into_tensor(&self.dims)),
+            None => Ok(()),
+        }
     }
 
     /// The backward's kernels on the held inputs, given y's gradient and the final state's
@@ -683,7 +686,7 @@ impl CudaHeld {
             .map(|g| g.to_dtype(DType::F32)?.contiguous())
             .transpose()?;
         let rule = self.rule;
-        let kept = self.kept.take()?;
+        let kept = self.kept.take_any("ssd")?;
         super::cuda::ssd_backward(super::cuda::Backward {
             x: &self.x,
             b: &self.b,

@@ -102,29 +102,8 @@ struct Ssd {
     /// backward computes its own).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     keep: bool,
-    kept: StatesSlot,
-}
-
-/// The chunk states a CUDA forward kept and their chunk, until the backward takes them.
-#[derive(Debug, Default)]
-struct StatesSlot(std::sync::Mutex<Option<(Tensor, usize)>>);
-
-impl StatesSlot {
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    fn put(&self, kept: Option<(Tensor, usize)>) -> Result<()> {
-        match self.0.lock() {
-            Ok(mut slot) => *slot = kept,
-            Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
-        }
-        Ok(())
-    }
-
-    fn take(&self) -> Result<Option<(Tensor, usize)>> {
-        match self.0.lock() {
-            Ok(mut slot) => Ok(slot.take()),
-            Err(_) => bail!("ssd: the kept chunk states' slot is poisoned"),
-        }
-    }
+    /// The kept chunk states and their chunk.
+    kept: Slot<(Tensor, usize)>,
 }
 
 impl CustomOp3 for Ssd {
@@ -177,7 +156,9 @@ impl CustomOp3 for Ssd {
         };
         let (y, last, kept) = cuda::ssd(&fused)?;
         self.final_state.put(self.name(), Storage::Cuda(last))?;
-        self.kept.put(kept.map(|k| k.into_tensor(&self.dims)))?;
+        if let Some(k) = kept {
+            self.kept.put(self.name(), k.into_tensor(&self.dims))?;
+        }
         let d = &self.dims;
         Ok((y, Shape::from((d.batch, d.seqlen, d.nheads, d.headdim))))
     }
@@ -382,14 +363,14 @@ fn forward(
         state_dtype: opts.state_dtype,
         final_state: Slot::default(),
         keep: keep && x.device().is_cuda(),
-        kept: StatesSlot::default(),
+        kept: Slot::default(),
     };
     let y = x
         .contiguous()?
         .apply_op3_no_bwd(&b.contiguous()?, &c.contiguous()?, &op)?;
     let last_shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
     let last = op.final_state.take("ssd", "final state", last_shape)?;
-    let states = op.kept.take()?;
+    let states = op.kept.take_any("ssd")?;
     Ok((y, last, SsdSaved { states }))
 }
 
