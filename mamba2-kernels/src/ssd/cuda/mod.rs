@@ -429,7 +429,10 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
             }
             states
         }
-        _ => {
+        // States kept at another chunk (the forward chose by x's and b's alignment, this by dY's
+        // and C's) are released before these are formed.
+        other => {
+            drop(other);
             super::stages::fwd_pass_state(op.x, op.b, &dt_out, &da, op.init, chunk, op.state_dtype)?
         }
     };
