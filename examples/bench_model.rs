@@ -4,9 +4,9 @@
 //! captured CUDA graph ([`DecodeGraph`]) and launched kernel by kernel.
 //!
 //! Ragged prompts (`--ragged N:LO-HI`: N prompts of seeded lengths uniform in LO..=HI) are
-//! prefilled three ways, last logits only: in groups of similar lengths
-//! (`Model::prefill_packed`), padded to the longest as one rectangular batch (timing only: the pad
-//! tokens would change the states), and one call per prompt.
+//! prefilled three ways, last logits only: packed (`Model::prefill_packed`: on CUDA one row of
+//! chunk-aligned prompts, or groups of similar lengths), padded to the longest as one rectangular
+//! batch (timing only: the pad tokens would change the states), and one call per prompt.
 //!
 //! `cargo run --release --features cuda --example bench_model -- [--models 130m,780m,2.7b]`
 
@@ -45,6 +45,9 @@ struct Args {
     /// Ragged prefill: `N:LO-HI`, N prompts of lengths uniform in LO..=HI ("" for none).
     #[arg(long, default_value = "64:16-1024")]
     ragged: String,
+    /// The models' scan chunk (`chunk_size` of their config).
+    #[arg(long, default_value_t = 256)]
+    chunk: usize,
 }
 
 /// `N:LO-HI` as N seeded lengths uniform in LO..=HI.
@@ -95,11 +98,11 @@ fn dims(name: &str) -> Result<(usize, usize)> {
 
 const VOCAB: usize = 50280;
 
-fn config(d_model: usize, layers: usize) -> Result<Config> {
+fn config(d_model: usize, layers: usize, chunk: usize) -> Result<Config> {
     let json = serde_json::json!({
         "model_type": "mamba2", "hidden_size": d_model, "num_hidden_layers": layers,
         "num_heads": 2 * d_model / 64, "head_dim": 64, "state_size": 128, "n_groups": 1,
-        "expand": 2, "conv_kernel": 4, "chunk_size": 256, "vocab_size": VOCAB,
+        "expand": 2, "conv_kernel": 4, "chunk_size": chunk, "vocab_size": VOCAB,
         "residual_in_fp32": true, "rms_norm": true, "tie_word_embeddings": true,
         "use_bias": false, "use_conv_bias": true, "layer_norm_epsilon": 1e-5,
     });
@@ -179,7 +182,7 @@ fn main() -> Result<()> {
     for name in &args.models {
         progress(&format!("{name}: weights"));
         let (d_model, layers) = dims(name)?;
-        let cfg = config(d_model, layers)?;
+        let cfg = config(d_model, layers, args.chunk)?;
         let w = weights(d_model, layers, &dev)?;
         let model = Model::new(
             &cfg,

@@ -121,6 +121,37 @@ fn ssd_packed_gives_each_sequence_what_it_gets_alone() -> Result<()> {
 }
 
 #[test]
+fn ssd_packed_at_chunk_starts_is_one_call_with_each_sequences_result() -> Result<()> {
+    // Every sequence starts at a chunk (16 tokens), the last one ends mid-chunk: the whole row
+    // runs as one call whose state pass restarts at each sequence.
+    let lens = [16, 48, 32, 16, 7];
+    let cu = offsets(&lens);
+    let s = ssd_case(cu[lens.len()], lens.len(), 6)?;
+    for init in [None, Some(&s.init)] {
+        let packed = opts(&s, Some(&s.z), init);
+        let (y, states) = ssd_packed(&s.x, &s.dt, &s.a, &s.b, &s.c, &cu, &packed)?;
+        for (i, w) in cu.windows(2).enumerate() {
+            let piece = |t: &Tensor| t.narrow(1, w[0], w[1] - w[0]);
+            let z = piece(&s.z)?;
+            let one_init = init.map(|t| t.narrow(0, i, 1)).transpose()?;
+            let one = opts(&s, Some(&z), one_init.as_ref());
+            let (y1, s1) = ssd(
+                &piece(&s.x)?,
+                &piece(&s.dt)?,
+                &s.a,
+                &piece(&s.b)?,
+                &piece(&s.c)?,
+                &one,
+            )?;
+            assert_eq!(bits(&piece(&y)?)?, bits(&y1)?, "sequence {i}: y");
+            let state = states.narrow(0, i, 1)?;
+            assert_eq!(bits(&state)?, bits(&s1)?, "sequence {i}: state");
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn ssd_packed_backward_equals_each_sequences_backward() -> Result<()> {
     let lens = [7, 1, 20];
     let cu = offsets(&lens);

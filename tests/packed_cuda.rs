@@ -1,8 +1,10 @@
 //! Sequences packed along L on CUDA (run on a GPU machine: `cargo test --release --features cuda
 //! --test packed_cuda`): `ssd_packed` and `causal_conv1d_split_packed` give each sequence what it
 //! gets alone bit for bit and the CPU's gradients (f32 within 1e-4 of each gradient's largest
-//! value, bf16 within 2e-2), and `Model::prefill_packed` each prompt's own logits and states (f32
-//! within 1e-5 of the largest value, bf16 within 2e-2), NaN-poisoned outputs.
+//! value, bf16 within 2e-2); sequences that each start at a chunk run as one pipeline with each
+//! sequence's result (f32 within 1e-5, bf16 1e-2); `Model::prefill_packed` gives each prompt its
+//! own logits and states (f32 within 1e-5 of the largest value, bf16 within 2e-2), both as one
+//! aligned row and as a padded group; NaN-poisoned outputs.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -101,6 +103,67 @@ fn packed_ops_give_each_sequence_what_it_gets_alone() -> Result<()> {
                 same(&states.narrow(0, i, 1)?, &s1)?,
                 "{dtype:?} conv sequence {i}: state"
             );
+        }
+    }
+    Ok(())
+}
+
+/// Sequences that each start at a chunk run as one pipeline whose state pass restarts at every
+/// sequence (bf16 on the tensor-core kernels, f32 on the SIMT one): each sequence's y and final
+/// state as it gets them alone, within f32 1e-5 and bf16 1e-2 of the largest value.
+#[test]
+fn packed_at_chunk_starts_is_one_pipeline_with_each_sequences_result() -> Result<()> {
+    let dev = gpu()?;
+    let mut lens = vec![128, 384, 256, 128];
+    let mut rng = Rng::new(7);
+    for i in 0..40 {
+        lens.push(128 * (1 + i % 4));
+    }
+    lens.push(77);
+    let cu = offsets(&lens);
+    let total = cu[lens.len()];
+    let (h, p, g, n) = (8, 64, 1, 128);
+    for dtype in [DType::F32, DType::BF16] {
+        let mut t =
+            |shape: &[usize]| -> Result<Tensor> { rng.tensor(shape, 1.0, &dev)?.to_dtype(dtype) };
+        let (x, b, c) = (
+            t(&[1, total, h, p])?,
+            t(&[1, total, g, n])?,
+            t(&[1, total, g, n])?,
+        );
+        let dt = rng.tensor(&[1, total, h], 1.0, &dev)?.to_dtype(dtype)?;
+        let a = (rng.tensor(&[h], 1.0, &dev)?.abs()? * -1.0)?;
+        let init = rng.tensor(&[lens.len(), h, p, n], 1.0, &dev)?;
+        let bound = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        for with_init in [false, true] {
+            let opts = SsdOptions {
+                chunk_size: 128,
+                initial_state: with_init.then_some(&init),
+                ..Default::default()
+            };
+            let (y, states) = ssd_packed(&x, &dt, &a, &b, &c, &cu, &opts)?;
+            for (i, w) in cu.windows(2).enumerate() {
+                let piece = |v: &Tensor| v.narrow(1, w[0], w[1] - w[0]);
+                let one_init = init.narrow(0, i, 1)?;
+                let one = SsdOptions {
+                    initial_state: with_init.then_some(&one_init),
+                    ..opts
+                };
+                let (y1, s1) = ssd(
+                    &piece(&x)?,
+                    &piece(&dt)?,
+                    &a,
+                    &piece(&b)?,
+                    &piece(&c)?,
+                    &one,
+                )?;
+                let ey = rel_err(&piece(&y)?, &y1.to_dtype(DType::F64)?)?;
+                let es = rel_err(&states.narrow(0, i, 1)?, &s1.to_dtype(DType::F64)?)?;
+                assert!(
+                    ey <= bound && es <= bound,
+                    "{dtype:?} init {with_init} sequence {i}: y {ey:e}, state {es:e}"
+                );
+            }
         }
     }
     Ok(())
@@ -214,36 +277,43 @@ fn prefill_packed_matches_each_prompt_alone() -> Result<()> {
             let model = Model::load(root().join(&name), dtype, &dev)?;
             let vocab = model.config().vocab_size as u64;
             let mut rng = Rng::new(7);
-            let prompts: Vec<Vec<u32>> = [1usize, 5, 64, 200, 33]
-                .iter()
-                .map(|&l| (0..l).map(|_| (rng.next_u64() % vocab) as u32).collect())
-                .collect();
-            let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-            let (logits, cache) = model.prefill_packed(&refs)?;
-            let mut worst = 0f64;
-            for (i, prompt) in prompts.iter().enumerate() {
-                let mut alone = model.new_cache(1)?;
-                let ids = Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?;
-                let want = model.prefill(&ids, &mut alone)?;
-                let cpu = |t: Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
-                worst = worst.max(rel_err(
-                    &cpu(logits.narrow(0, i, 1)?)?,
-                    &cpu(want)?.to_dtype(DType::F64)?,
-                )?);
-                for (got, want) in cache.layers().iter().zip(alone.layers()) {
-                    let ssm = rel_err(
-                        &cpu(got.ssm.narrow(0, i, 1)?)?,
-                        &cpu(want.ssm.clone())?.to_dtype(DType::F64)?,
-                    )?;
-                    let conv = rel_err(
-                        &cpu(got.conv.narrow(0, i, 1)?)?,
-                        &cpu(want.conv.clone())?.to_dtype(DType::F64)?,
-                    )?;
-                    worst = worst.max(ssm).max(conv);
+            // The first set prefills as one aligned row, the second (all shorter than a chunk)
+            // as a padded group.
+            for lens in [[1usize, 5, 64, 200, 33], [3, 5, 7, 9, 2]] {
+                let prompts: Vec<Vec<u32>> = lens
+                    .iter()
+                    .map(|&l| (0..l).map(|_| (rng.next_u64() % vocab) as u32).collect())
+                    .collect();
+                let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+                let (logits, cache) = model.prefill_packed(&refs)?;
+                let mut worst = 0f64;
+                for (i, prompt) in prompts.iter().enumerate() {
+                    let mut alone = model.new_cache(1)?;
+                    let ids = Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?;
+                    let want = model.prefill(&ids, &mut alone)?;
+                    let cpu = |t: Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+                    worst = worst.max(rel_err(
+                        &cpu(logits.narrow(0, i, 1)?)?,
+                        &cpu(want)?.to_dtype(DType::F64)?,
+                    )?);
+                    for (got, want) in cache.layers().iter().zip(alone.layers()) {
+                        let ssm = rel_err(
+                            &cpu(got.ssm.narrow(0, i, 1)?)?,
+                            &cpu(want.ssm.clone())?.to_dtype(DType::F64)?,
+                        )?;
+                        let conv = rel_err(
+                            &cpu(got.conv.narrow(0, i, 1)?)?,
+                            &cpu(want.conv.clone())?.to_dtype(DType::F64)?,
+                        )?;
+                        worst = worst.max(ssm).max(conv);
+                    }
                 }
+                println!("{name} {dtype:?} {lens:?}: worst rel err {worst:e}");
+                assert!(
+                    worst <= tol,
+                    "{name} {dtype:?} {lens:?}: worst rel err {worst:e}"
+                );
             }
-            println!("{name} {dtype:?}: worst rel err {worst:e}");
-            assert!(worst <= tol, "{name} {dtype:?}: worst rel err {worst:e}");
         }
     }
     Ok(())

@@ -52,6 +52,7 @@ mod matvec;
 mod norm;
 pub mod reference;
 mod rows;
+mod seqs;
 mod slot;
 mod ssd;
 mod ssd_step;

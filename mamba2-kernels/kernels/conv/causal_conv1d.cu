@@ -1,6 +1,8 @@
 // Depthwise causal conv1d with fused bias + SiLU, its one-token update (channels last), and the
 // prefill's backward:
 //   y[b,t,d] = act(bias[d] + Σ_{k<K} w[d,k] · u[b, t−K+1+k, d]),  u = state (K values) ++ x
+// The prefill also takes sequences packed along L of one row (ConvParams' cu): each sequence's
+// window starts from its own row of the state [S,D,K], and its new state goes to its row.
 // x rows (tokens) may be strided (a slice of in_proj's output): row r of batch b starts at
 // x + (b·L + r)·x_stride. weight [D,K], bias [D], state [B,D,K] (the last K inputs, oldest
 // first); all of type T, f32 accumulation. The output is cut by channels into up to three
@@ -69,6 +71,67 @@ __device__ __forceinline__ float input(const T* x, const T* st, int b, int t, in
                 : m2::to_f(st[(static_cast<long>(b) * D + d) * K + K + t]);
 }
 
+// The sequence a prefill program's tokens belong to: `seq` its index (the batch row b when not
+// packed), [start, end) its tokens in the row. `at(t)` moves it to the sequence of token t >= the
+// current one's start (packed rows only advance).
+struct Seq {
+  const int* cu;
+  int seqs, seq, start, end;
+  __device__ Seq(const ConvParams& p, int b, int t) : cu(p.cu), seqs(p.seqs) {
+    if (!cu) {
+      seq = b, start = 0, end = p.seqlen;
+      return;
+    }
+    int lo = 0, hi = seqs - 1;  // the last s with cu[s] <= t
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (cu[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    seq = lo, start = cu[lo], end = cu[lo + 1];
+  }
+  __device__ __forceinline__ bool at(int t) {
+    if (t < end) return false;
+    while (t >= cu[seq + 1]) ++seq;
+    start = cu[seq], end = cu[seq + 1];
+    return true;
+  }
+};
+
+// Input position t of sequence `q` (of batch row b): a token of the sequence, or before its start
+// its state row.
+template <typename T>
+__device__ __forceinline__ float input_of(const T* x, const T* st, int b, const Seq& q, int t,
+                                          int d, int L, int D, int K, long x_stride) {
+  return t >= q.start ? m2::to_f(x[(static_cast<long>(b) * L + t) * x_stride + d])
+                      : m2::to_f(st[(static_cast<long>(q.seq) * D + d) * K + K + t - q.start]);
+}
+
+// Writes the new state of every sequence whose last token lies in [t0, t1) (the program's tokens)
+// for channels [d0, d0 + V): the sequence's last K inputs.
+template <typename T, int V>
+__device__ void conv_state_out(const T* x, const T* st_in, T* st_out, int b, int t0, int t1,
+                               int d0, const ConvParams& p) {
+  const int L = p.seqlen, D = p.dim, K = p.width;
+  if (!p.cu) {
+    if (t0 != 0) return;
+    for (int c = 0; c < V; ++c)
+      for (int k = 0; k < K; ++k)
+        st_out[(static_cast<long>(b) * D + d0 + c) * K + k] =
+            m2::from_f<T>(input(x, st_in, b, L - K + k, d0 + c, L, D, K, p.x_stride));
+    return;
+  }
+  Seq q(p, b, t0);
+  for (;;) {
+    if (q.end > t1) return;
+    for (int c = 0; c < V; ++c)
+      for (int k = 0; k < K; ++k)
+        st_out[(static_cast<long>(q.seq) * D + d0 + c) * K + k] = m2::from_f<T>(
+            input_of(x, st_in, b, q, q.end - K + k, d0 + c, L, D, K, p.x_stride));
+    if (q.seq + 1 == q.seqs) return;
+    q.at(q.end);
+  }
+}
+
 template <typename T>
 __device__ void conv_prefill(const T* __restrict__ x, const T* __restrict__ w,
                              const T* __restrict__ bias, const T* __restrict__ st_in,
@@ -85,25 +148,22 @@ __device__ void conv_prefill(const T* __restrict__ x, const T* __restrict__ w,
   for (int k = 0; k < 8; ++k) wk[k] = small && k < K ? m2::to_f(w[d * K + k]) : 0.f;
   const float bv = bias ? m2::to_f(bias[d]) : 0.f;
   const int t1 = min(L, t0 + TOKENS);
+  Seq q(p, b, t0);
   for (int t = t0; t < t1; ++t) {
+    q.at(t);
     float acc = bv;
     if (small) {
 #pragma unroll
       for (int k = 0; k < 8; ++k)
-        if (k < K) acc += wk[k] * input(x, st_in, b, t - K + 1 + k, d, L, D, K, x_stride);
+        if (k < K) acc += wk[k] * input_of(x, st_in, b, q, t - K + 1 + k, d, L, D, K, x_stride);
     } else {
       for (int k = 0; k < K; ++k)
-        acc += m2::to_f(w[d * K + k]) * input(x, st_in, b, t - K + 1 + k, d, L, D, K, x_stride);
+        acc += m2::to_f(w[d * K + k]) * input_of(x, st_in, b, q, t - K + 1 + k, d, L, D, K, x_stride);
     }
     if (p.silu) acc = m2::silu(acc);
     put<T>(p, static_cast<long>(b) * L + t, d, D, acc);
   }
-  if (blockIdx.y == 0) {
-    // The new state: the last K entries of u.
-    for (int k = 0; k < K; ++k)
-      st_out[(static_cast<long>(b) * D + d) * K + k] =
-          m2::from_f<T>(input(x, st_in, b, L - K + k, d, L, D, K, x_stride));
-  }
+  conv_state_out<T, 1>(x, st_in, st_out, b, t0, t1, d, p);
 }
 
 constexpr int GROUP = 8;  // tokens whose loads the lanes prefill issues together
@@ -127,10 +187,18 @@ __device__ void conv_prefill_lanes(const T* __restrict__ x, const T* __restrict_
     bv[c] = bias ? m2::to_f(bias[d0 + c]) : 0.f;
 #pragma unroll
     for (int j = 0; j < W; ++j) wk[c][j] = j >= lo ? m2::to_f(w[(d0 + c) * K + j - lo]) : 0.f;
-#pragma unroll
-    for (int j = 0; j < W - 1; ++j)
-      u[c][j] = j >= lo ? input(x, st_in, b, t0 - (W - 1) + j, d0 + c, L, D, K, x_stride) : 0.f;
   }
+  Seq q(p, b, t0);
+  // Slot j before token t: position t − (W−1) + j of t's sequence (its state before its start).
+  auto window = [&](int t) {
+#pragma unroll
+    for (int c = 0; c < V; ++c)
+#pragma unroll
+      for (int j = 0; j < W - 1; ++j)
+        u[c][j] = j >= lo ? input_of(x, st_in, b, q, t - (W - 1) + j, d0 + c, L, D, K, x_stride)
+                          : 0.f;
+  };
+  window(t0);
   long ostride;
   T* out = piece(static_cast<T*>(p.y0), static_cast<T*>(p.y1), static_cast<T*>(p.y2), p.s0,
                  p.s1, D, d0, &ostride);
@@ -145,6 +213,7 @@ __device__ void conv_prefill_lanes(const T* __restrict__ x, const T* __restrict_
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) {
       if (g + i >= t1) break;
+      if (q.at(g + i)) window(g + i);
       Lanes<T, V> o;
 #pragma unroll
       for (int c = 0; c < V; ++c) {
@@ -161,12 +230,7 @@ __device__ void conv_prefill_lanes(const T* __restrict__ x, const T* __restrict_
       *reinterpret_cast<Lanes<T, V>*>(out + (row0 + g + i) * ostride) = o;
     }
   }
-  if (blockIdx.y == 0) {
-    for (int c = 0; c < V; ++c)
-      for (int k = 0; k < K; ++k)
-        st_out[(static_cast<long>(b) * D + d0 + c) * K + k] =
-            m2::from_f<T>(input(x, st_in, b, L - K + k, d0 + c, L, D, K, x_stride));
-  }
+  conv_state_out<T, V>(x, st_in, st_out, b, t0, t1, d0, p);
 }
 
 template <typename T>

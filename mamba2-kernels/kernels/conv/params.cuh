@@ -7,7 +7,8 @@
 namespace m2 {
 
 // The output pieces y0 [rows, s0], y1 [rows, s1] and y2 [rows, D − s0 − s1] (null when unused),
-// the token-row stride of x (elements), the dimensions and whether SiLU is applied.
+// the token-row stride of x (elements), the dimensions, whether SiLU is applied and, for
+// sequences packed along L of one row, their count and offsets cu [seqs + 1] (null: none).
 struct ConvParams {
   void* y0;
   void* y1;
@@ -16,8 +17,10 @@ struct ConvParams {
   int s0, s1;
   int batch, seqlen, dim, width;
   int silu;
+  int seqs;
+  const int* cu;
 };
-M2_SIZE(ConvParams, 64);
+M2_SIZE(ConvParams, 72);
 M2_AT(ConvParams, y0, 0);
 M2_AT(ConvParams, y1, 8);
 M2_AT(ConvParams, y2, 16);
@@ -29,6 +32,8 @@ M2_AT(ConvParams, seqlen, 44);
 M2_AT(ConvParams, dim, 48);
 M2_AT(ConvParams, width, 52);
 M2_AT(ConvParams, silu, 56);
+M2_AT(ConvParams, seqs, 60);
+M2_AT(ConvParams, cu, 64);
 
 // The backward's: the token-row stride of x (elements), the output gradient's
 // pieces dy1 [rows, s1] and dy2 [rows, D − s0 − s1] beside dy0 [rows, s0] (the kernel's dy

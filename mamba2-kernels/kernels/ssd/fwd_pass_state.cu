@@ -2,8 +2,10 @@
 //   h_{c+1} = exp2(d_last)·h_c + Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ        h: [P, N]
 // x [B,L,H,P], b [B,L,G,N] (value type T), dt/da [B,H,L] f32, init [B,H,P,N] and
 // states [B,H,C+1,P,N] in the state type S (f32 or bf16); `last` (optional) [B,H,P,N] gets a
-// contiguous copy of slot C, the final state. Two passes for bf16/f16 values on tensor cores, and
-// a SIMT kernel for the rest:
+// contiguous copy of slot C, the final state. Sequences packed along L of one row (SsdParams'
+// seq_chunks, each starting at a chunk) run from their own rows of init [S,H,P,N] to their rows
+// of last, the recurrence restarting at every sequence's first chunk. Two passes for bf16/f16
+// values on tensor cores, and a SIMT kernel for the rest:
 //
 // chunk_state_mma: every chunk's own contribution Σ_s exp2(d_last − d_s)·dt_s · x_s B_sᵀ, all
 //   chunks in parallel (needs P % (16·WARPS) == 0, N % NT == 0), written to slot c + 1; its
@@ -30,6 +32,17 @@ using m2::SsdSteps;
 constexpr int PAD = 8;  // elements of padding per row of the output staging
 constexpr int MAXC = 512;  // the longest chunk chunk_state_mma takes
 
+// A state pass program's row (blockIdx.y): its chunks [c0, c1), the row of its head's slots in
+// `states` and of dt/da (batch·nheads + head), and, packed, its sequence (else −1).
+struct ScanRow {
+  int c0, c1, bh, seq;
+};
+__device__ __forceinline__ ScanRow scan_row(int row, const SsdParams& D) {
+  if (!D.seq_chunks) return {0, D.nchunks, row, -1};
+  const int s = row / D.nheads;
+  return {D.seq_chunks[s], D.seq_chunks[s + 1], row % D.nheads, s};
+}
+
 template <typename T, typename S>
 __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict__ bm,
                                     const float* __restrict__ dt, const float* __restrict__ da,
@@ -39,15 +52,17 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
   float* w = reinterpret_cast<float*>(smem_raw);  // [chunk]
   const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
   const size_t e = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int bh = blockIdx.y;
+  const ScanRow r = scan_row(blockIdx.y, D);
+  const int bh = r.bh;
   const int b = bh / D.nheads, h = bh % D.nheads, g = h / (D.nheads / D.ngroups);
   const bool live = e < pn;
   const int p = live ? static_cast<int>(e / D.dstate) : 0, n = live ? static_cast<int>(e % D.dstate) : 0;
   const size_t row = static_cast<size_t>(bh) * D.seqlen;
   const size_t hp = static_cast<size_t>(D.nheads) * D.headdim;
   const size_t gn = static_cast<size_t>(D.ngroups) * D.dstate;
-  float state = (init && live) ? m2::to_f(init[bh * pn + e]) : 0.f;
-  for (int c = 0; c < D.nchunks; ++c) {
+  const size_t own = static_cast<size_t>(blockIdx.y) * pn + e;  // its row of init and last
+  float state = (init && live) ? m2::to_f(init[own]) : 0.f;
+  for (int c = r.c0; c < r.c1; ++c) {
     const int l0 = c * D.chunk, len = min(D.chunk, D.seqlen - l0);
     const float d_last = da[row + l0 + len - 1];
     __syncthreads();
@@ -65,8 +80,9 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
       state = m2::exp2_fast(d_last) * state + acc;
     }
   }
-  if (live) states[(static_cast<size_t>(bh) * (D.nchunks + 1) + D.nchunks) * pn + e] = m2::from_f<S>(state);
-  if (live && last) last[bh * pn + e] = m2::from_f<S>(state);
+  if (live && r.seq < 0)
+    states[(static_cast<size_t>(bh) * (D.nchunks + 1) + D.nchunks) * pn + e] = m2::from_f<S>(state);
+  if (live && last) last[own] = m2::from_f<S>(state);
 }
 
 // Stage 1 for one chunk inside chunk_state_mma (THREADS threads): thread t takes tokens
@@ -359,24 +375,31 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
 // One thread per 8 consecutive state elements of one (batch, head), carried in f32. The loads do
 // not depend on the carry: a ring of PF chunks stays in flight (raw, unpacked at use), enough
 // bytes per SM to cover the memory latency with the few threads a (batch, head) gives.
+// Packed, the slot between sequences s and s + 1 holds local_{c1−1} until s's program has read
+// it; that program then writes the next sequence's initial state there (no other program reads
+// or writes it, so there is no race), and sequence s + 1's program starts from init directly.
 template <typename S, int PF>
 __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ init,
                            S* __restrict__ states, S* __restrict__ last, SsdParams D) {
   using V8 = m2::Vec8<S>;
   const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
   const size_t e = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
-  const int bh = blockIdx.y;
   if (e >= pn) return;
-  const float* dah = da + static_cast<size_t>(bh) * D.seqlen;
-  S* base = states + static_cast<size_t>(bh) * (D.nchunks + 1) * pn + e;
+  const ScanRow r = scan_row(blockIdx.y, D);
+  const size_t own = static_cast<size_t>(blockIdx.y) * pn + e;  // its row of init and last
+  const float* dah = da + static_cast<size_t>(r.bh) * D.seqlen;
+  S* base = states + static_cast<size_t>(r.bh) * (D.nchunks + 1) * pn + e;
   float h[8];
-  if (init) {
-    V8::unpack(V8::load(init + static_cast<size_t>(bh) * pn + e, false), h);
-  } else {
+  auto initial = [&](size_t at, float (&v)[8]) {
+    if (init) {
+      V8::unpack(V8::load(init + at, false), v);
+    } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = 0.f;
-  }
-  V8::store(base, h);
+      for (int i = 0; i < 8; ++i) v[i] = 0.f;
+    }
+  };
+  initial(own, h);
+  if (r.seq <= 0) V8::store(base + static_cast<size_t>(r.c0) * pn, h);
   // Chunk c's local state and d_last_c are loaded PF chunks ahead of their use.
   typename V8::Raw ring[PF];
   float d_last[PF];
@@ -386,23 +409,27 @@ __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ i
   };
 #pragma unroll
   for (int i = 0; i < PF; ++i)
-    if (i < D.nchunks) fetch(i, i);
-  for (int c0 = 0; c0 < D.nchunks; c0 += PF) {
+    if (r.c0 + i < r.c1) fetch(r.c0 + i, i);
+  for (int c0 = r.c0; c0 < r.c1; c0 += PF) {
 #pragma unroll
     for (int i = 0; i < PF; ++i) {
       const int c = c0 + i;
-      if (c >= D.nchunks) break;
+      if (c >= r.c1) break;
       if (c == D.release_at) m2::launch_dependents();
       float local[8];
       V8::unpack(ring[i], local);
       const float a = m2::exp2_fast(d_last[i]);
-      if (c + PF < D.nchunks) fetch(c + PF, i);
+      if (c + PF < r.c1) fetch(c + PF, i);
 #pragma unroll
       for (int k = 0; k < 8; ++k) h[k] = a * h[k] + local[k];
-      V8::store(base + static_cast<size_t>(c + 1) * pn, h);
+      if (c + 1 < r.c1 || r.seq < 0) V8::store(base + static_cast<size_t>(c + 1) * pn, h);
     }
   }
-  if (last) V8::store(last + static_cast<size_t>(bh) * pn + e, h);
+  if (last) V8::store(last + own, h);
+  if (r.seq >= 0 && r.seq + 1 < D.seqs) {
+    initial(own + static_cast<size_t>(D.nheads) * pn, h);
+    V8::store(base + static_cast<size_t>(r.c1) * pn, h);
+  }
 }
 
 }  // namespace

@@ -18,8 +18,14 @@ struct SsdParams {
   int discard_states;
   // state_scan: the chunk from which it lets the next kernel on the stream (compute_out) start.
   int release_at;
+  // The state pass over sequences packed along L (batch 1): sequence s takes the chunks
+  // [seq_chunks[s], seq_chunks[s+1]), starts from row s of init and ends in row s of last (its
+  // programs are rows s·nheads + h); the slot after its last chunk is not written, since it is the
+  // next sequence's first. Null (seqs 0): every batch row one sequence, every slot written.
+  int seqs;
+  const int* seq_chunks;
 };
-M2_SIZE(SsdParams, 52);
+M2_SIZE(SsdParams, 64);
 M2_AT(SsdParams, batch, 0);
 M2_AT(SsdParams, seqlen, 4);
 M2_AT(SsdParams, nheads, 8);
@@ -33,6 +39,8 @@ M2_AT(SsdParams, d_per_channel, 36);
 M2_AT(SsdParams, early, 40);
 M2_AT(SsdParams, discard_states, 44);
 M2_AT(SsdParams, release_at, 48);
+M2_AT(SsdParams, seqs, 52);
+M2_AT(SsdParams, seq_chunks, 56);
 
 // Stage 1's inputs and outputs (chunk_cumsum, and chunk_state_mma's `_cs` forms): raw dt of the
 // value type with token rows `dt_stride` elements apart, a [H] and bias [H] (null: none) f32,

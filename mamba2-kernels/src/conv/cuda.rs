@@ -35,10 +35,12 @@ struct ConvParams {
     dim: i32,
     width: i32,
     silu: i32,
+    seqs: i32,
+    cu: u64,
 }
-m2_layout!(ConvParams, 64, {
+m2_layout!(ConvParams, 72, {
     y0: 0, y1: 8, y2: 16, x_stride: 24, s0: 32, s1: 36, batch: 40, seqlen: 44, dim: 48,
-    width: 52, silu: 56,
+    width: 52, silu: 56, seqs: 60, cu: 64,
 });
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for ConvParams {}
@@ -75,6 +77,8 @@ pub(super) struct Conv<'a> {
     pub silu: bool,
     pub dims: ConvDims,
     pub split: &'a [usize],
+    /// Sequences packed along L of the one row: their count and offsets `[seqs + 1]` (i32).
+    pub packed: Option<(usize, Input<'a>)>,
 }
 
 impl Conv<'_> {
@@ -111,6 +115,8 @@ impl Conv<'_> {
             dim: i(d.dim)?,
             width: i(d.width)?,
             silu: self.silu as i32,
+            seqs: 0,
+            cu: 0,
         };
         Ok((bufs, params))
     }
@@ -120,7 +126,7 @@ impl Conv<'_> {
 pub(super) type Input<'a> = (&'a CudaStorage, &'a Layout);
 
 /// The prefill conv with the optional bias: returns the output pieces `[B·L, split[k]]` and the
-/// new state `[B,D,K]`.
+/// new state `[B,D,K]` (packed: `[S,D,K]`, one per sequence).
 pub(super) fn causal_conv1d(
     conv: &Conv,
     (x_s, x_l): Input,
@@ -134,8 +140,17 @@ pub(super) fn causal_conv1d(
     let stream = dev.cuda_stream();
     let (x_p, x_stride, _g1) = rows_ptr(op, "x", x_s, x_l, &stream)?;
     let rows = d.batch * d.seqlen;
-    let (mut ys, params) = conv.outputs(dev, &stream, x_s.dtype(), rows, x_stride)?;
-    let state_len = d.batch * d.dim * d.width;
+    let (mut ys, mut params) = conv.outputs(dev, &stream, x_s.dtype(), rows, x_stride)?;
+    let mut _g0 = None;
+    let states = match conv.packed {
+        Some((seqs, (cu_s, cu_l))) => {
+            let (p, g) = ptr(op, "cu_seqlens", cu_s, cu_l, &stream)?;
+            (params.seqs, params.cu, _g0) = (i(seqs)?, p, Some(g));
+            seqs
+        }
+        None => d.batch,
+    };
+    let state_len = states * d.dim * d.width;
     let mut st_out = alloc(dev, x_s.dtype(), state_len)?;
     let (w_p, _g2) = ptr(op, "weight", w_s, w_l, &stream)?;
     let (st_p, _g3) = ptr(op, "initial_state", st_s, st_l, &stream)?;

@@ -85,6 +85,7 @@ impl RecordedConv {
             silu: self.silu,
             dims: self.dims,
             split: &[self.dims.dim],
+            packed: None,
         };
         let (ys, _) = super::cuda::causal_conv1d(&conv, x, w, bias, state)?;
         match ys.into_iter().next() {

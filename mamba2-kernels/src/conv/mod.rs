@@ -35,6 +35,7 @@ use candle_core::{
 
 use crate::check::{self, ConvDims};
 use crate::cpu::{small, to_storage, update, view, wide, CpuArg, Real};
+use crate::seqs::Seqs;
 use crate::slot::Slot;
 
 /// Options shared by [`causal_conv1d`] and [`causal_conv1d_step`].
@@ -65,6 +66,8 @@ struct CausalConv1d {
     /// Pieces 1.. of the output.
     rest: Vec<Slot>,
     state_out: Slot,
+    /// Sequences packed along L of the one row, each from its own row of the state `[S,D,K]`.
+    packed: Option<Seqs>,
 }
 
 impl CustomOp3 for CausalConv1d {
@@ -99,10 +102,23 @@ impl CustomOp3 for CausalConv1d {
         st_s: &candle_core::CudaStorage,
         st_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let cu = self
+            .packed
+            .as_ref()
+            .map(|p| match &p.device {
+                Some(t) => Ok((p.count(), crate::cuda::Held::new(t))),
+                None => bail!("{}: packed offsets are not on the device", self.name()),
+            })
+            .transpose()?;
+        let packed = match &cu {
+            Some((n, held)) => Some((*n, held.arg(self.name(), "cu_seqlens")?)),
+            None => None,
+        };
         let conv = cuda::Conv {
             silu: self.silu,
             dims: self.dims,
             split: &self.split,
+            packed,
         };
         let held = self.bias.as_ref().map(crate::cuda::Held::new);
         let bias = match &held {
@@ -134,7 +150,34 @@ impl CausalConv1d {
         let w = view::<T>(op, "weight", w_s, w_l)?;
         let st = view::<T>(op, "initial_state", st_s, st_l)?;
         let bias = bias_of::<T>(&self.bias, self.dims.dim)?;
-        let (y, new_state) = cpu::prefill(&x, &w, &st, &bias, self.silu, self.dims);
+        let (y, new_state) = match &self.packed {
+            None => cpu::prefill(&x, &w, &st, &bias, self.silu, self.dims),
+            Some(seqs) => {
+                // Each sequence alone, from its row of the state.
+                let ConvDims { dim, width, .. } = self.dims;
+                let (mut y, mut states) = (Vec::with_capacity(x.len()), Vec::new());
+                for s in 0..seqs.count() {
+                    let r = seqs.range(s);
+                    let dims = ConvDims {
+                        batch: 1,
+                        seqlen: r.len(),
+                        ..self.dims
+                    };
+                    let one = &st[s * dim * width..][..dim * width];
+                    let (ys, state) = cpu::prefill(
+                        &x[r.start * dim..r.end * dim],
+                        &w,
+                        one,
+                        &bias,
+                        self.silu,
+                        dims,
+                    );
+                    y.extend(ys);
+                    states.extend(state);
+                }
+                (y, states)
+            }
+        };
         let dtype = x_s.dtype();
         self.state_out
             .put(op, Storage::Cpu(to_storage(new_state, dtype)?))?;
@@ -195,6 +238,7 @@ impl InplaceOp2 for CausalConv1dStep {
             silu: self.silu,
             dims: self.dims,
             split: &self.split,
+            packed: None,
         };
         let bias = self.bias.as_ref();
         let ys = cuda::causal_conv1d_step(&conv, &self.weight, bias, (st_s, st_l), (x_s, x_l))?;
@@ -369,6 +413,7 @@ pub fn causal_conv1d_split(
         split: split.to_vec(),
         rest: split[1..].iter().map(|_| Slot::default()).collect(),
         state_out: Slot::default(),
+        packed: None,
     };
     let first = check::rows_view(x)?.apply_op3_no_bwd(&weight.contiguous()?, &state, &conv)?;
     let mut ys = vec![first];
@@ -377,6 +422,45 @@ pub fn causal_conv1d_split(
     }
     let new_state = conv.state_out.take(op, "new state", (batch, dim, width))?;
     Ok((ys, new_state))
+}
+
+/// [`causal_conv1d_split`] over the sequences packed along L of `x [1,T,D]` (`seqs`, checked) as
+/// one call that records no gradient, each sequence from its row of `states [S,D,K]` (contiguous,
+/// x's dtype and device): returns the pieces `[1,T,split[i]]` and the new states `[S,D,K]`.
+pub(crate) fn split_packed_unrecorded(
+    x: &Tensor,
+    weight: &Tensor,
+    states: &Tensor,
+    opts: &ConvOptions,
+    split: &[usize],
+    seqs: Seqs,
+) -> Result<(Vec<Tensor>, Tensor)> {
+    let op = "causal_conv1d_packed";
+    let [_, total, dim] = check::rank::<3>(op, "x", x, "[1, T, D]")?;
+    let width = check_params(op, x, weight, opts, dim)?;
+    check_split(op, split, dim)?;
+    let count = seqs.count();
+    let conv = CausalConv1d {
+        bias: opts.bias.map(|b| b.contiguous()).transpose()?,
+        silu: opts.silu,
+        dims: ConvDims {
+            batch: 1,
+            seqlen: total,
+            dim,
+            width,
+        },
+        split: split.to_vec(),
+        rest: split[1..].iter().map(|_| Slot::default()).collect(),
+        state_out: Slot::default(),
+        packed: Some(seqs),
+    };
+    let first = check::rows_view(x)?.apply_op3_no_bwd(&weight.contiguous()?, states, &conv)?;
+    let mut ys = vec![first];
+    for (slot, &w) in conv.rest.into_iter().zip(&split[1..]) {
+        ys.push(slot.take(op, "output piece", (1, total, w))?);
+    }
+    let new_states = conv.state_out.take(op, "new states", (count, dim, width))?;
+    Ok((ys, new_states))
 }
 
 /// The gradients of [`causal_conv1d`]'s differentiable arguments.

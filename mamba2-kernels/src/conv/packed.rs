@@ -1,13 +1,16 @@
 //! The causal conv over sequences packed along L (`cu_seqlens`, as [`crate::ssd_packed`]):
 //! `x [1,T,D]`, sequence s on tokens `cu[s]..cu[s+1]`, initial states `[S,D,K]` → `y [1,T,D]`
-//! and the final states `[S,D,K]`. No window reaches across a boundary: each sequence runs as
-//! [`causal_conv1d_split`] on its own tokens from its own state (a sequence shorter than the
-//! kernel included), so the result is the one it has alone; differentiable as the conv is.
+//! and the final states `[S,D,K]`. No window reaches across a boundary: each sequence's window
+//! starts from its own state (a sequence shorter than the kernel included), so the result is the
+//! one it has alone. Without gradients it is one call (one launch on CUDA, each program finding
+//! its tokens' sequences in the offsets); when x, the weight or the bias records gradients, each
+//! sequence runs as [`causal_conv1d_split`] on its own tokens, differentiable as the conv is.
 
 use candle_core::{bail, Result, Tensor};
 
-use super::{causal_conv1d_split, ConvOptions};
+use super::{causal_conv1d_split, check_params, split_packed_unrecorded, ConvOptions};
 use crate::check;
+use crate::seqs::Seqs;
 
 /// [`causal_conv1d_split`] over the sequences packed along L of `x [1,T,D]`, split at
 /// `cu_seqlens` (`[0, l_0, l_0 + l_1, …, T]`, every sequence at least one token), from
@@ -49,6 +52,28 @@ pub fn causal_conv1d_split_packed(
         if s != count {
             bail!("{op}: initial_states holds {s} states for {count} sequences (cu_seqlens {cu_seqlens:?})")
         }
+    }
+    let tracked = x.track_op() || weight.track_op() || opts.bias.is_some_and(Tensor::track_op);
+    if !tracked {
+        let dim = x.dim(2)?;
+        let width = check_params(op, x, weight, opts, dim)?;
+        let states = match initial_states {
+            Some(init) => {
+                check::device(op, "initial_states", init, x)?;
+                check::shape(
+                    op,
+                    "initial_states",
+                    init,
+                    &[count, dim, width],
+                    "[S, D, K]",
+                )?;
+                check::same_dtype(op, "initial_states", init, x)?;
+                init.contiguous()?
+            }
+            None => Tensor::zeros((count, dim, width), x.dtype(), x.device())?,
+        };
+        let seqs = Seqs::new(cu_seqlens, x.device())?;
+        return split_packed_unrecorded(x, weight, &states, opts, split, seqs);
     }
     let mut pieces: Vec<Vec<Tensor>> = vec![Vec::with_capacity(count); split.len()];
     let mut states = Vec::with_capacity(count);

@@ -660,6 +660,7 @@ impl CudaHeld {
             chunk_size: self.chunk,
             state_dtype: self.state_dtype,
             keep: true,
+            packed: None,
         };
         let (y, last, kept) = super::cuda::ssd(&fused)?;
         let cuda = candle_core::Storage::Cuda;

@@ -44,6 +44,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Sto
 use crate::check::{self, SsdDims};
 use crate::cpu::{round_to, small, to_storage, view, wide, CpuArg, Held, Real};
 use crate::dt::DtRule;
+use crate::seqs::Seqs;
 use crate::slot::Slot;
 use crate::DtOptions;
 
@@ -104,6 +105,9 @@ struct Ssd {
     keep: bool,
     /// The kept chunk states and their chunk.
     kept: Slot<(Tensor, usize)>,
+    /// Sequences packed along L of the one row, by their first chunks: each runs from its row of
+    /// `init` `[S,H,P,N]` and ends in its row of the final states.
+    packed: Option<Seqs>,
 }
 
 impl CustomOp3 for Ssd {
@@ -153,6 +157,7 @@ impl CustomOp3 for Ssd {
             chunk_size: self.chunk_size,
             state_dtype: self.state_dtype,
             keep: self.keep,
+            packed: self.packed.as_ref(),
         };
         let (y, last, kept) = cuda::ssd(&fused)?;
         self.final_state.put(self.name(), Storage::Cuda(last))?;
@@ -197,10 +202,20 @@ impl Ssd {
         let a = small::<T>(&self.a)?;
         let steps = cpu::chunk_cumsum(&dt_in, shape, &a, &bias, self.rule, chunk);
         let (dt, da) = steps.split_at(steps.len() / 2);
-        let mut states = cpu::chunk_states((&x, &b), (dt, da), init.as_deref(), dims, chunk);
+        let (mut states, mut last) = match &self.packed {
+            Some(seqs) => {
+                let xb = (&x[..], &b[..]);
+                cpu::chunk_states_packed(xb, (dt, da), init.as_deref(), &seqs.cu, dims, chunk)
+            }
+            None => {
+                let states = cpu::chunk_states((&x, &b), (dt, da), init.as_deref(), dims, chunk);
+                let last = cpu::final_states(&states, dims, chunk);
+                (states, last)
+            }
+        };
         // compute_out reads the chunk states as stored: rounded to the state dtype.
         round_to(&mut states, self.state_dtype);
-        let last = cpu::final_states(&states, dims, chunk);
+        round_to(&mut last, self.state_dtype);
         self.final_state
             .put(op, Storage::Cpu(to_storage(last, self.state_dtype)?))?;
         let inputs = cpu::OutInputs {
@@ -345,26 +360,7 @@ fn forward(
         let (y, last) = autograd::ssd((x, dt, a, b, c), opts, dims)?;
         return Ok((y, last, SsdSaved::default()));
     }
-    let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
-    let init = opts
-        .initial_state
-        .map(|s| s.to_dtype(opts.state_dtype)?.contiguous())
-        .transpose()?;
-    let op = Ssd {
-        dt: check::rows_view(dt)?,
-        a: a.contiguous()?,
-        dt_bias: contiguous(opts.dt.bias)?,
-        d: contiguous(opts.d)?,
-        z: contiguous(opts.z)?,
-        init,
-        rule: opts.dt.rule(),
-        dims,
-        chunk_size: opts.chunk_size,
-        state_dtype: opts.state_dtype,
-        final_state: Slot::default(),
-        keep: keep && x.device().is_cuda(),
-        kept: Slot::default(),
-    };
+    let op = Ssd::new((dt, a), opts, dims, keep && x.device().is_cuda(), None)?;
     let y = x
         .contiguous()?
         .apply_op3_no_bwd(&b.contiguous()?, &c.contiguous()?, &op)?;
@@ -372,6 +368,67 @@ fn forward(
     let last = op.final_state.take("ssd", "final state", last_shape)?;
     let states = op.kept.take_any("ssd")?;
     Ok((y, last, SsdSaved { states }))
+}
+
+/// [`ssd`] of the sequences packed along L of `x [1,T,H,P]` that each start at a chunk of
+/// `opts.chunk_size` (`firsts`: every sequence's first chunk and, last, the chunk count), as one
+/// call that records no gradient: each from its row of `opts.initial_state` `[S,H,P,N]` (checked
+/// by the caller; zeros if `None`) to its row of the final states. Returns `(y [1,T,H,P], final
+/// states [S,H,P,N])`.
+pub(crate) fn forward_packed(
+    (x, dt, a, b, c): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    opts: &SsdOptions,
+    firsts: &[usize],
+) -> Result<(Tensor, Tensor)> {
+    let unbatched = SsdOptions {
+        initial_state: None,
+        ..*opts
+    };
+    let dims = checked((x, dt, a, b, c), &unbatched)?;
+    let seqs = Seqs::new(firsts, x.device())?;
+    let count = seqs.count();
+    let op = Ssd::new((dt, a), opts, dims, false, Some(seqs))?;
+    let y = x
+        .contiguous()?
+        .apply_op3_no_bwd(&b.contiguous()?, &c.contiguous()?, &op)?;
+    let last_shape = (count, dims.nheads, dims.headdim, dims.dstate);
+    let last = op
+        .final_state
+        .take("ssd_packed", "final states", last_shape)?;
+    Ok((y, last))
+}
+
+impl Ssd {
+    /// The op on `dims` (checked) with `opts`' parameters held contiguous.
+    fn new(
+        (dt, a): (&Tensor, &Tensor),
+        opts: &SsdOptions,
+        dims: SsdDims,
+        keep: bool,
+        packed: Option<Seqs>,
+    ) -> Result<Self> {
+        let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
+        let init = opts
+            .initial_state
+            .map(|s| s.to_dtype(opts.state_dtype)?.contiguous())
+            .transpose()?;
+        Ok(Self {
+            dt: check::rows_view(dt)?,
+            a: a.contiguous()?,
+            dt_bias: contiguous(opts.dt.bias)?,
+            d: contiguous(opts.d)?,
+            z: contiguous(opts.z)?,
+            init,
+            rule: opts.dt.rule(),
+            dims,
+            chunk_size: opts.chunk_size,
+            state_dtype: opts.state_dtype,
+            final_state: Slot::default(),
+            keep,
+            kept: Slot::default(),
+            packed,
+        })
+    }
 }
 
 /// The gradients of [`ssd`]'s inputs that [`ssd_backward`] returns: x, dt, b and c in their

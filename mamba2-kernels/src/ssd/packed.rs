@@ -6,17 +6,18 @@
 //! initial states [S,H,P,N]  →  y [1,T,H,P], final states [S,H,P,N]
 //! ```
 //!
-//! No state crosses a boundary: each sequence runs as [`ssd`] on its own tokens from its own
-//! initial state, whatever its length (1 token, or mid-chunk boundaries), so the result is the
-//! one it has alone. The pieces are views of the packed inputs and y their concatenation, so the
-//! op is differentiable as `ssd` is. Each sequence is one `ssd` call (on CUDA one launch of the
-//! pipeline per sequence); the projections, norms and everything per token around it run once
-//! over the packed row.
+//! No state crosses a boundary: each sequence runs from its own initial state, whatever its
+//! length, so the result is the one it has alone. Where every sequence starts at a chunk
+//! (`cu_seqlens[s]` a multiple of `chunk_size`, as `mamba2_model` lays out a ragged prefill) and
+//! no input records gradients, the whole row is one `ssd` call whose state pass restarts at each
+//! sequence's first chunk (on CUDA one launch of the pipeline for all sequences). Otherwise
+//! (boundaries inside chunks, or gradients) each sequence runs as [`ssd`] on its own tokens, the
+//! pieces views of the packed inputs and y their concatenation, differentiable as `ssd` is.
 
 use candle_core::{bail, Result, Tensor};
 
-use super::{ssd, SsdOptions};
-use crate::check;
+use super::{forward_packed, ssd, SsdOptions};
+use crate::check::{self, SsdDims};
 
 /// [`ssd`] over the sequences packed along L of `x [1,T,H,P]` (see the module doc), split at
 /// `cu_seqlens` (`[0, l_0, l_0 + l_1, …, T]`, every sequence at least one token).
@@ -70,6 +71,25 @@ pub fn ssd_packed(
         if s != count {
             bail!("{op}: initial_state holds {s} states for {count} sequences (cu_seqlens {cu_seqlens:?})")
         }
+    }
+    let chunk = opts.chunk_size;
+    let aligned = chunk > 0 && cu_seqlens[..count].iter().all(|&o| o % chunk == 0);
+    let optional = [opts.d, opts.z, opts.initial_state, opts.dt.bias];
+    let inputs = [x, dt, a, b, c]
+        .into_iter()
+        .chain(optional.into_iter().flatten());
+    if aligned && !inputs.into_iter().any(Tensor::track_op) {
+        if let Some(init) = opts.initial_state {
+            let dims = SsdDims::values(op, x, b)?;
+            SsdDims {
+                batch: count,
+                ..dims
+            }
+            .state(op, "initial_state", init, x)?;
+        }
+        let mut firsts: Vec<usize> = cu_seqlens[..count].iter().map(|&o| o / chunk).collect();
+        firsts.push(total.div_ceil(chunk));
+        return forward_packed((x, dt, a, b, c), opts, &firsts);
     }
     let mut ys = Vec::with_capacity(count);
     let mut states = Vec::with_capacity(count);

@@ -20,7 +20,9 @@ use crate::ssd::plan;
 pub(super) const IMAGE: Image = fatbin!("ssd_fwd_pass_state");
 
 /// A state pass's tensors as addresses: x, b, the initial state (0: zeros), the chunk states,
-/// and dt_out and da_cumsum (read, or written by stage 1 when the step sizes are raw).
+/// and dt_out and da_cumsum (read, or written by stage 1 when the step sizes are raw); for
+/// sequences packed along L of the one row, their count and the address of their first chunks
+/// (i32 `[S+1]`), each sequence then running from its own initial state.
 pub(super) struct PassPtrs {
     pub x: u64,
     pub b: u64,
@@ -28,6 +30,7 @@ pub(super) struct PassPtrs {
     pub states: u64,
     pub dt: u64,
     pub da: u64,
+    pub packed: Option<(usize, u64)>,
 }
 
 /// Raw step sizes for stage 1 (`steps.out` = [dt_out; da_cumsum]), of dtype `dtype`.
@@ -55,7 +58,15 @@ pub(super) fn state_pass(
     let nchunks = d.nchunks(chunk);
     let mut kp = SsdParams::new(d, chunk)?;
     let (t, s) = (ty(name, vt)?, ty(name, st)?);
-    let bh = d.batch * d.nheads;
+    // The scan's program rows: one per (batch, head), or per (sequence, head) when packed.
+    let rows = match p.packed {
+        Some((seqs, firsts)) => {
+            (kp.seqs, kp.seq_chunks) = (i(seqs)?, firsts);
+            SsdDims { batch: seqs, ..*d }
+        }
+        None => *d,
+    };
+    let bh = rows.batch * rows.nheads;
     let Some(tile) = chunk_state_tile(d, chunk, (vt, st), p, stream)? else {
         if let Some(raw) = raw {
             launch_stage1(&kp, &raw.steps, ty(name, raw.dtype)?, stream)?;
@@ -84,9 +95,12 @@ pub(super) fn state_pass(
     };
     launch_chunk_state(d, chunk, &tile, (vt, st), p, fused.as_ref(), stream)?;
     let last_p = before_last()?;
-    let deep = plan::deep_scan(d, sms);
+    let deep = plan::deep_scan(&rows, sms);
     let f = function(stream, IMAGE, &instances::state_scan(deep, s))?;
-    kp.release_at = i(plan::scan_release_at(deep, nchunks))?;
+    if p.packed.is_none() {
+        // Packed, a program's chunks are its sequence's: the scan releases compute_out at its end.
+        kp.release_at = i(plan::scan_release_at(deep, nchunks))?;
+    }
     let grid = [(d.headdim * d.dstate / 8).div_ceil(256), bh, 1];
     launch(
         stream,

@@ -32,6 +32,7 @@ use self::params::{SsdParams, SsdSteps};
 use crate::check::SsdDims;
 use crate::cuda::{alloc, opt_ptr, ptr, rows_ptr, scratch, ty, written, zeroed, Guards, Held};
 use crate::dt::DtRule;
+use crate::seqs::Seqs;
 use crate::ssd::plan::ChunkStateTile;
 use crate::DtOptions;
 
@@ -99,6 +100,7 @@ pub(super) fn fwd_pass_state(op: &StatePass) -> Result<(CudaStorage, Shape)> {
         states: ptr(name, "states", &out, &Layout::contiguous(total), &stream)?.0,
         dt,
         da: da.ptr(name, "da_cumsum", &stream, &mut guards)?,
+        packed: None,
     };
     let types = (x_s.dtype(), op.state_dtype);
     state_pass(&d, chunk, types, &p, None, &stream, || Ok(0))?;
@@ -185,6 +187,9 @@ pub(crate) struct Fused<'a> {
     /// Keep the chunk states for the backward: the call then runs at the backward's state chunk
     /// ([`state_chunk`]) and allocates them apart from the scratch buffer.
     pub keep: bool,
+    /// Sequences packed along L of the one row, by their first chunks (`init` and the final
+    /// states `[S,H,P,N]`).
+    pub packed: Option<&'a Seqs>,
 }
 
 /// The chunk states an `ssd` call kept for its backward, `[B,H,C+1,P,N]` at `chunk` tokens.
@@ -228,6 +233,13 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
         op.z.map(Held::new),
         op.init.map(Held::new),
     );
+    let firsts = match op.packed {
+        Some(seqs) => match &seqs.device {
+            Some(t) => Some((seqs.count(), Held::new(t))),
+            None => bail!("{name}: the packed sequences' first chunks are not on the device"),
+        },
+        None => None,
+    };
     let dev = &x_s.device;
     let stream = dev.cuda_stream();
     let (vt, st) = (x_s.dtype(), op.state_dtype);
@@ -248,6 +260,7 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
             states: 0,
             dt: 0,
             da: 0,
+            packed: None,
         };
         state_chunk(&d, (vt, st), &like, &stream)?.0
     } else {
@@ -279,6 +292,10 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
         ),
         dtype: dt_s.dtype(),
     };
+    let packed = match &firsts {
+        Some((n, held)) => Some((*n, held.ptr(name, "first chunks", &stream, &mut guards)?)),
+        None => None,
+    };
     let p = PassPtrs {
         x: x_p,
         b: b_p,
@@ -286,8 +303,10 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
         states,
         dt: steps,
         da: steps + 4 * bhl as u64,
+        packed,
     };
-    let pn = d.batch * d.nheads * d.headdim * d.dstate;
+    let rows = packed.map_or(d.batch, |(n, _)| n);
+    let pn = rows * d.nheads * d.headdim * d.dstate;
     let total = d.batch * d.seqlen * d.nheads * d.headdim;
     let mut outs = None;
     state_pass(&d, chunk, (vt, st), &p, Some(&raw), &stream, || {
@@ -411,6 +430,7 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
         states: 0,
         dt: 0,
         da: 0,
+        packed: None,
     };
     let types = (op.x.dtype(), op.state_dtype);
     let (chunk, tile) = state_chunk(&d, types, &terms, &stream)?;

@@ -31,11 +31,15 @@ pub(super) struct SsdParams {
     pub discard_states: i32,
     /// state_scan: the chunk from which it lets the next kernel start.
     pub release_at: i32,
+    /// The state pass over packed sequences: their count, 0 for none.
+    pub seqs: i32,
+    /// Its `[seqs + 1]` first chunks of the sequences (i32 on the device), 0 for none.
+    pub seq_chunks: u64,
 }
-m2_layout!(SsdParams, 52, {
+m2_layout!(SsdParams, 64, {
     batch: 0, seqlen: 4, nheads: 8, headdim: 12, ngroups: 16, dstate: 20, chunk: 24,
     nchunks: 28, heads_per_block: 32, d_per_channel: 36, early: 40, discard_states: 44,
-    release_at: 48,
+    release_at: 48, seqs: 52, seq_chunks: 56,
 });
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for SsdParams {}
@@ -58,6 +62,8 @@ impl SsdParams {
             early: 0,
             discard_states: 0,
             release_at: i32::MAX,
+            seqs: 0,
+            seq_chunks: 0,
         })
     }
 
