@@ -121,9 +121,8 @@ fn ssd_packed_gives_each_sequence_what_it_gets_alone() -> Result<()> {
 }
 
 #[test]
-fn ssd_packed_at_chunk_starts_is_one_call_with_each_sequences_result() -> Result<()> {
-    // Every sequence starts at a chunk (16 tokens), the last one ends mid-chunk: the whole row
-    // runs as one call whose state pass restarts at each sequence.
+fn ssd_packed_of_whole_and_partial_chunks_is_each_sequence_alone() -> Result<()> {
+    // Sequences of whole chunks (16 tokens) and parts of one: the one call restarts at each.
     let lens = [16, 48, 32, 16, 7];
     let cu = offsets(&lens);
     let s = ssd_case(cu[lens.len()], lens.len(), 6)?;

@@ -1,10 +1,9 @@
 //! Sequences packed along L on CUDA (run on a GPU machine: `cargo test --release --features cuda
-//! --test packed_cuda`): `ssd_packed` and `causal_conv1d_split_packed` give each sequence what it
-//! gets alone bit for bit and the CPU's gradients (f32 within 1e-4 of each gradient's largest
-//! value, bf16 within 2e-2); sequences that each start at a chunk run as one pipeline with each
-//! sequence's result (f32 within 1e-5, bf16 1e-2); `Model::prefill_packed` gives each prompt its
-//! own logits and states (f32 within 1e-5 of the largest value, bf16 within 2e-2), both as one
-//! aligned row and as a padded group; NaN-poisoned outputs.
+//! --test packed_cuda`): `causal_conv1d_split_packed` gives each sequence what it gets alone bit
+//! for bit, `ssd_packed` (one pipeline for all sequences) within f32 1e-5 and bf16 1e-2 of the
+//! largest value, both the CPU's gradients (f32 within 1e-4 of each gradient's largest value, bf16
+//! within 2e-2); `Model::prefill_packed` gives each prompt its own logits and states (f32 within
+//! 1e-5 of the largest value, bf16 within 2e-2); NaN-poisoned outputs.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -76,10 +75,12 @@ fn packed_ops_give_each_sequence_what_it_gets_alone() -> Result<()> {
                 &piece(&c)?,
                 &one,
             )?;
-            assert!(same(&piece(&y)?, &y1)?, "{dtype:?} sequence {i}: y");
+            let bound = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            let ey = rel_err(&piece(&y)?, &y1.to_dtype(DType::F64)?)?;
+            let es = rel_err(&states.narrow(0, i, 1)?, &s1.to_dtype(DType::F64)?)?;
             assert!(
-                same(&states.narrow(0, i, 1)?, &s1)?,
-                "{dtype:?} sequence {i}: state"
+                ey <= bound && es <= bound,
+                "{dtype:?} sequence {i}: y {ey:e}, state {es:e}"
             );
         }
         let xbc = rng.tensor(&[1, total, 96], 1.0, &dev)?.to_dtype(dtype)?;
@@ -108,18 +109,19 @@ fn packed_ops_give_each_sequence_what_it_gets_alone() -> Result<()> {
     Ok(())
 }
 
-/// Sequences that each start at a chunk run as one pipeline whose state pass restarts at every
-/// sequence (bf16 on the tensor-core kernels, f32 on the SIMT one): each sequence's y and final
-/// state as it gets them alone, within f32 1e-5 and bf16 1e-2 of the largest value.
+/// Many sequences of any lengths run as one pipeline, in chunks counted from each sequence's
+/// start, the state pass restarting at every sequence (bf16 on the tensor-core kernels, f32 on
+/// the SIMT one): each sequence's y and final state as it gets them alone, within f32 1e-5 and
+/// bf16 1e-2 of the largest value.
 #[test]
-fn packed_at_chunk_starts_is_one_pipeline_with_each_sequences_result() -> Result<()> {
+fn packed_ssd_is_one_pipeline_with_each_sequences_result() -> Result<()> {
     let dev = gpu()?;
-    let mut lens = vec![128, 384, 256, 128];
     let mut rng = Rng::new(7);
-    for i in 0..40 {
-        lens.push(128 * (1 + i % 4));
+    // One-token sequences, exact chunks, chunks and a bit, several chunks.
+    let mut lens = vec![1, 128, 129, 1, 384, 77, 256, 2];
+    for _ in 0..40 {
+        lens.push(1 + (rng.next_u64() % 600) as usize);
     }
-    lens.push(77);
     let cu = offsets(&lens);
     let total = cu[lens.len()];
     let (h, p, g, n) = (8, 64, 1, 128);
@@ -277,8 +279,7 @@ fn prefill_packed_matches_each_prompt_alone() -> Result<()> {
             let model = Model::load(root().join(&name), dtype, &dev)?;
             let vocab = model.config().vocab_size as u64;
             let mut rng = Rng::new(7);
-            // The first set prefills as one aligned row, the second (all shorter than a chunk)
-            // as a padded group.
+            // Boundaries inside chunks, one-token prompts, prompts over a chunk; and only short ones.
             for lens in [[1usize, 5, 64, 200, 33], [3, 5, 7, 9, 2]] {
                 let prompts: Vec<Vec<u32>> = lens
                     .iter()

@@ -12,6 +12,9 @@ pub(crate) struct SsdDims {
     pub headdim: usize,
     pub ngroups: usize,
     pub dstate: usize,
+    /// The chunk count where sequences packed along L split the row into chunks of their own
+    /// (none across a boundary); `None`: ⌈L / chunk⌉.
+    pub chunks: Option<usize>,
 }
 
 impl SsdDims {
@@ -33,6 +36,7 @@ impl SsdDims {
             headdim,
             ngroups,
             dstate,
+            chunks: None,
         };
         dims.check_groups(op)?;
         Ok(dims)
@@ -131,7 +135,8 @@ impl SsdDims {
     }
 
     pub fn nchunks(&self, chunk_size: usize) -> usize {
-        self.seqlen.div_ceil(chunk_size)
+        self.chunks
+            .unwrap_or_else(|| self.seqlen.div_ceil(chunk_size))
     }
 
     /// Elements of the chunk states `[B, H, C+1, P, N]`.
@@ -419,6 +424,7 @@ mod tests {
             headdim: 4,
             ngroups: 1,
             dstate: 5,
+            chunks: None,
         };
         assert_eq!(d.nchunks(256), 4);
         assert_eq!(d.nchunks(1000), 1);

@@ -179,23 +179,50 @@ pub fn fwd_pass_state_simt(t: Ty, s: Ty) -> String {
     format!("fwd_pass_state_simt_{}_{}", t.name(), s.name())
 }
 
-pub fn chunk_state_mma(form: ChunkStateForm, t: Ty, s: Ty, warps: usize, nt: usize) -> String {
+pub fn chunk_state_mma(
+    form: ChunkStateForm,
+    packed: bool,
+    t: Ty,
+    s: Ty,
+    warps: usize,
+    nt: usize,
+) -> String {
     let (tn, sn, f) = (t.name(), s.name(), form.infix());
-    format!("chunk_state_mma{f}_{tn}_{sn}_w{warps}_n{nt}")
+    let p = if packed { "_packed" } else { "" };
+    format!("chunk_state_mma{f}{p}_{tn}_{sn}_w{warps}_n{nt}")
 }
 
-/// The scan across chunks; `deep`: a ring of 256 bytes of chunks per thread instead of 128.
-pub fn state_scan(deep: bool, s: Ty) -> String {
-    format!("state_scan{}_{}", if deep { "_deep" } else { "" }, s.name())
+/// The scan across chunks; `deep`: a ring of 256 bytes of chunks per thread instead of 128;
+/// `packed`: the form for packed sequences' rows.
+pub fn state_scan(deep: bool, packed: bool, s: Ty) -> String {
+    let (d, p) = (
+        if deep { "_deep" } else { "" },
+        if packed { "_packed" } else { "" },
+    );
+    format!("state_scan{d}{p}_{}", s.name())
+}
+
+/// The forms of the kernels that run packed sequences' chunks (`SsdParams::chunk_starts`) and
+/// those that run a row's chunks of equal length.
+const PACKED: [bool; 2] = [false, true];
+
+/// A kernel macro's bool argument.
+fn flag(b: bool) -> &'static str {
+    if b {
+        "true"
+    } else {
+        "false"
+    }
 }
 
 /// compute_out on tensor cores: tiles by cp.async with states of type `s`, or by tensor map
-/// (`tma`, states of the value type).
-pub fn compute_out_mma(tma: bool, t: Ty, s: Ty, n: usize, pt: usize) -> String {
+/// (`tma`, states of the value type); `packed`: the form for the chunks of packed sequences.
+pub fn compute_out_mma(tma: bool, packed: bool, t: Ty, s: Ty, n: usize, pt: usize) -> String {
+    let p = if packed { "_packed" } else { "" };
     if tma {
-        format!("compute_out_mma_tma_{}_n{n}_p{pt}", t.name())
+        format!("compute_out_mma_tma{p}_{}_n{n}_p{pt}", t.name())
     } else {
-        format!("compute_out_mma_{}_{}_n{n}_p{pt}", t.name(), s.name())
+        format!("compute_out_mma{p}_{}_{}_n{n}_p{pt}", t.name(), s.name())
     }
 }
 
@@ -553,13 +580,16 @@ pub fn instances() -> Vec<Instance> {
         for deep in [false, true] {
             // Chunks of 8 states in flight per thread: 128 bytes, 256 in the deep ring.
             let per = (if deep { 256 } else { 128 } / (8 * s.bytes())).to_string();
-            add(
-                &mut v,
-                "ssd/fwd_pass_state",
-                state_scan(deep, s),
-                "SCAN",
-                &[s.c(), &per],
-            );
+            for packed in PACKED {
+                let args = [s.c(), &per, flag(packed)];
+                add(
+                    &mut v,
+                    "ssd/fwd_pass_state",
+                    state_scan(deep, packed, s),
+                    "SCAN",
+                    &args,
+                );
+            }
         }
     }
     for t in MMA_VALUES {
@@ -575,9 +605,12 @@ pub fn instances() -> Vec<Instance> {
             for w in CHUNK_STATE_WARPS {
                 for nt in CHUNK_STATE_TILES {
                     let (ws, ns) = (w.to_string(), nt.to_string());
-                    for form in ChunkStateForm::ALL {
-                        let name = chunk_state_mma(form, t, s, w, nt);
-                        let args = [t.c(), s.c(), &ws, &ns];
+                    for (form, packed) in ChunkStateForm::ALL
+                        .iter()
+                        .flat_map(|&f| PACKED.map(|p| (f, p)))
+                    {
+                        let name = chunk_state_mma(form, packed, t, s, w, nt);
+                        let args = [t.c(), s.c(), &ws, &ns, flag(packed)];
                         add(&mut v, "ssd/fwd_pass_state", name, form.mac(), &args);
                     }
                 }
@@ -595,28 +628,22 @@ pub fn instances() -> Vec<Instance> {
             }
             for (n, pt) in COMPUTE_OUT_TILES {
                 let (ns, ps) = (n.to_string(), pt.to_string());
-                let name = compute_out_mma(false, t, s, n, pt);
-                add(
-                    &mut v,
-                    "ssd/compute_out",
-                    name,
-                    "CO_MMA",
-                    &[t.c(), s.c(), &ns, &ps],
-                );
+                for packed in PACKED {
+                    let name = compute_out_mma(false, packed, t, s, n, pt);
+                    let args = [t.c(), s.c(), &ns, &ps, flag(packed)];
+                    add(&mut v, "ssd/compute_out", name, "CO_MMA", &args);
+                }
             }
         }
     }
     for t in COMPUTE_OUT_TMA_VALUES {
         for (n, pt) in COMPUTE_OUT_TILES {
             let (ns, ps) = (n.to_string(), pt.to_string());
-            let name = compute_out_mma(true, t, t, n, pt);
-            add(
-                &mut v,
-                "ssd/compute_out",
-                name,
-                "CO_MMA_TMA",
-                &[t.c(), &ns, &ps],
-            );
+            for packed in PACKED {
+                let name = compute_out_mma(true, packed, t, t, n, pt);
+                let args = [t.c(), &ns, &ps, flag(packed)];
+                add(&mut v, "ssd/compute_out", name, "CO_MMA_TMA", &args);
+            }
         }
     }
     v
@@ -673,17 +700,20 @@ mod tests {
             .call;
         assert_eq!(
             call,
-            "CO_MMA(compute_out_mma_bf16_f32_n128_p64, __nv_bfloat16, float, 128, 64)"
+            "CO_MMA(compute_out_mma_bf16_f32_n128_p64, __nv_bfloat16, float, 128, 64, false)"
         );
         let scan = instances()
             .into_iter()
             .find(|k| k.name == "state_scan_deep_bf16")
             .expect("an instance");
-        assert_eq!(scan.call, "SCAN(state_scan_deep_bf16, __nv_bfloat16, 16)");
+        assert_eq!(
+            scan.call,
+            "SCAN(state_scan_deep_bf16, __nv_bfloat16, 16, false)"
+        );
         let scan = instances()
             .into_iter()
             .find(|k| k.name == "state_scan_f32")
             .expect("an instance");
-        assert_eq!(scan.call, "SCAN(state_scan_f32, float, 4)");
+        assert_eq!(scan.call, "SCAN(state_scan_f32, float, 4, false)");
     }
 }

@@ -1,6 +1,6 @@
-//! Sequences packed along L of one row (`cu_seqlens`: sequence s on tokens `cu[s]..cu[s+1]`) as an
-//! op holds them: the offsets on the host, and on a CUDA device also as u32 `[S+1]` for the
-//! kernels.
+//! An offset table of sequences packed along L of one row (`cu_seqlens`: sequence s on tokens
+//! `cu[s]..cu[s+1]`; or the SSD's tables of chunks) as an op holds it: on the host, and on a CUDA
+//! device also as u32 for the kernels.
 
 use candle_core::{Device, Result, Tensor};
 
@@ -13,7 +13,7 @@ pub(crate) struct Seqs {
 }
 
 impl Seqs {
-    /// `cu` (checked by the caller) for ops on `device`.
+    /// The increasing offsets `cu` (checked by the caller) for ops on `device`.
     pub fn new(cu: &[usize], device: &Device) -> Result<Self> {
         let on_device = if device.is_cuda() {
             let offsets = cu
@@ -39,12 +39,12 @@ impl Seqs {
         })
     }
 
-    /// How many sequences.
+    /// How many spans the offsets bound (sequences, or chunks).
     pub fn count(&self) -> usize {
         self.cu.len() - 1
     }
 
-    /// The tokens of sequence s, `cu[s]..cu[s+1]`.
+    /// Span s, `cu[s]..cu[s+1]`.
     pub fn range(&self, s: usize) -> std::ops::Range<usize> {
         self.cu[s]..self.cu[s + 1]
     }

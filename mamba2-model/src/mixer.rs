@@ -32,7 +32,7 @@ use mamba2_kernels::{
 };
 
 use crate::cache::LayerState;
-use crate::packing::{group_cost, Group, Packing, PAD_DT};
+use crate::packing::{Group, Packing, GROUP_COST, PAD_DT};
 use crate::Config;
 
 /// On the CPU the scan runs in chunks of at most this many tokens: the work inside a chunk grows
@@ -225,23 +225,23 @@ impl Mixer {
     /// Runs the sequences packed along L of `u [1,T,d_model]` (sequence s on tokens
     /// `cu_seqlens[s]..cu_seqlens[s+1]`), each from its row of `state` (`S` rows), and leaves
     /// each one's state after its last token there. The projections and the norm run once over
-    /// the packed row; the conv and the scan once per group of sequences of similar lengths, each
-    /// group a batch padded at its rows' ends (`crate::packing`), or, when a dt_limit above 0
-    /// would make a pad's dt nonzero, once per sequence (`causal_conv1d_split_packed`,
-    /// `ssd_packed`).
+    /// the packed row; on CUDA the conv and the scan too, one launch each for every sequence
+    /// (`causal_conv1d_split_packed`, `ssd_packed`); on the CPU once per group of sequences of
+    /// similar lengths, each group a batch padded at its rows' ends (`crate::packing`), or, when a
+    /// dt_limit above 0 would make a pad's dt nonzero, once per sequence.
     pub fn forward_packed(
         &self,
         u: &Tensor,
         cu_seqlens: &[usize],
         state: &mut LayerState,
     ) -> Result<Tensor> {
-        let packing = self.packing(cu_seqlens, group_cost(u.device()), u.device())?;
+        let packing = self.packing(cu_seqlens, GROUP_COST, u.device())?;
         self.forward_packing(u, cu_seqlens, packing.as_ref(), state)
     }
 
     /// The groups of `cu_seqlens` at `cost` padded tokens per group (`crate::packing`), or `None`
-    /// where a pad's dt would not be 0 (a dt_limit above 0 clamps it up): then each sequence runs
-    /// alone. The offsets are checked first.
+    /// where the packed row runs as it is: on CUDA, and where a pad's dt would not be 0 (a
+    /// dt_limit above 0 clamps it up). The offsets are checked first.
     pub(crate) fn packing(
         &self,
         cu_seqlens: &[usize],
@@ -250,34 +250,10 @@ impl Mixer {
     ) -> Result<Option<Packing>> {
         let total = cu_seqlens.last().copied().unwrap_or(0);
         check_cu_seqlens("packed mixer", cu_seqlens, total)?;
-        if self.dt_limit.0 > 0.0 {
+        if device.is_cuda() || self.dt_limit.0 > 0.0 {
             return Ok(None);
         }
         let (d_conv, dtype) = (self.conv_weight.dim(1)?, self.conv_weight.dtype());
-        Packing::new(cu_seqlens, d_conv, cost, dtype, device).map(Some)
-    }
-
-    /// How a whole model prefills `cu_seqlens` from zero states, each group through every layer
-    /// (`Model::prefill_groups`), at `cost` padded tokens per group: on CUDA one aligned row
-    /// ([`Packing::aligned`]) where it takes no more positions than the groups with their cost,
-    /// else the groups; `None` as for [`Mixer::packing`].
-    pub(crate) fn prefill_packing(
-        &self,
-        cu_seqlens: &[usize],
-        cost: usize,
-        device: &Device,
-    ) -> Result<Option<Packing>> {
-        let total = cu_seqlens.last().copied().unwrap_or(0);
-        check_cu_seqlens("packed prefill", cu_seqlens, total)?;
-        if self.dt_limit.0 > 0.0 {
-            return Ok(None);
-        }
-        let (d_conv, dtype) = (self.conv_weight.dim(1)?, self.conv_weight.dtype());
-        let chunk = self.packed_chunk();
-        let aligned = Packing::aligned_len(cu_seqlens, chunk) + cost;
-        if device.is_cuda() && aligned <= Packing::grouped_cost(cu_seqlens, cost) {
-            return Packing::aligned(cu_seqlens, d_conv, chunk, dtype, device).map(Some);
-        }
         Packing::new(cu_seqlens, d_conv, cost, dtype, device).map(Some)
     }
 
@@ -361,13 +337,10 @@ impl Mixer {
             // Each sequence's conv state: its last k inputs, after its initial state (the row's
             // own state would end in pads). Both pieces contiguous, so that candle's cat is one
             // block copy rather than strided copies of the whole group.
-            let Some(conv_last) = &g.conv_last else {
-                candle_core::bail!("packed mixer: an aligned row runs only through the whole model")
-            };
             let window = Tensor::cat(&[&conv0.transpose(1, 2)?.contiguous()?, &xbc], 1)?
                 .reshape((rows * (k + len), conv_dim))?;
             let conv = window
-                .index_select(conv_last, 0)?
+                .index_select(&g.conv_last, 0)?
                 .reshape((rows, k, conv_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
@@ -382,61 +355,34 @@ impl Mixer {
 
     /// `(out, conv states, SSM states)` of the rows of `u [rows, len, d_model]`, one group of
     /// `crate::packing` run through the whole model: each row a sequence from zero states followed
-    /// by pads (their dt made an exact 0 by the group's `pads`), or, for an aligned row, the
-    /// group's sequences one after the other in the one row, the conv and the scan restarting at
-    /// each; every sequence's states those after its last token.
+    /// by pads (their dt made an exact 0 by the group's `pads`), its states those after its last
+    /// token.
     pub(crate) fn forward_rows(&self, u: &Tensor, g: &Group) -> Result<(Tensor, Tensor, Tensor)> {
         let (rows, len, _) = u.dims3()?;
-        let (di, h, p, gn) = self.sizes();
+        let (di, _, _, gn) = self.sizes();
         let (conv_dim, k) = (di + 2 * gn, self.conv_weight.dim(1)?);
         let zxbcdt = rows_linear(&self.in_proj, u)?;
         let (z, xbc, dt) = self.split(&zxbcdt)?;
         let dt = dt.broadcast_add(&g.pads)?;
-        let (split, conv_opts) = ([di, gn, gn], self.conv_options());
-        let (parts, _) = match &g.seqs {
-            Some(seqs) => {
-                causal_conv1d_split_packed(&xbc, &self.conv_weight, None, &conv_opts, &split, seqs)?
-            }
-            None => causal_conv1d_split(&xbc, &self.conv_weight, None, &conv_opts, &split)?,
-        };
+        let (parts, _) = causal_conv1d_split(
+            &xbc,
+            &self.conv_weight,
+            None,
+            &self.conv_options(),
+            &[di, gn, gn],
+        )?;
         // Each sequence's conv state: its last k inputs, zeros before its first token, gathered
         // as whole rows of in_proj's output (contiguous, as candle's gather needs).
-        let seqs = g.last.dim(0)?;
         let conv = zxbcdt
             .reshape((rows * len, zxbcdt.dim(2)?))?
             .index_select(&g.conv_taps, 0)?
             .narrow(1, di, conv_dim)?
             .broadcast_mul(&g.conv_mask)?
-            .reshape((seqs, k, conv_dim))?
+            .reshape((rows, k, conv_dim))?
             .transpose(1, 2)?
             .contiguous()?;
-        let opts = self.ssd_options(u, None);
-        let (y, ssm) = match &g.seqs {
-            Some(offsets) => {
-                let groups = (1, len, self.ngroups, self.d_state);
-                let opts = SsdOptions {
-                    chunk_size: self.packed_chunk(),
-                    ..opts
-                };
-                ssd_packed(
-                    &parts[0].reshape((1, len, h, p))?,
-                    &dt,
-                    &self.a,
-                    &parts[1].reshape(groups)?,
-                    &parts[2].reshape(groups)?,
-                    offsets,
-                    &opts,
-                )?
-            }
-            None => self.scan(&parts, &dt, &opts)?,
-        };
+        let (y, ssm) = self.scan(&parts, &dt, &self.ssd_options(u, None))?;
         Ok((self.output(&y, &z)?, conv, ssm))
-    }
-
-    /// The scan's chunk in an aligned row on CUDA ([`crate::packing::Packing::aligned`]): the
-    /// model's chunk, at most 128 tokens (the CUDA kernels' tuned chunk, and fewer pads).
-    pub(crate) fn packed_chunk(&self) -> usize {
-        self.chunk_size.min(128)
     }
 
     /// [`Mixer::forward_packed`] from zero states, as training on packed documents does: every
@@ -468,7 +414,12 @@ impl Mixer {
         let x = xbc[0].reshape((1, t, h, p))?;
         let bm = xbc[1].reshape(groups)?;
         let cm = xbc[2].reshape(groups)?;
-        let opts = self.ssd_options(u, states.map(|s| s.1));
+        // Chunks count from each sequence's start: at most 128 tokens (the CUDA kernels' tuned
+        // chunk), so that a short sequence's one chunk is not mostly empty rows.
+        let opts = SsdOptions {
+            chunk_size: self.chunk_for(u).min(128),
+            ..self.ssd_options(u, states.map(|s| s.1))
+        };
         let (y, ssm) = ssd_packed(&x, &dt, &self.a, &bm, &cm, cu_seqlens, &opts)?;
         Ok((self.output(&y, &z)?, conv, ssm))
     }

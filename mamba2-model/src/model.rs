@@ -29,7 +29,7 @@ use mamba2_kernels::{add_rms_norm, cross_entropy, embedding, linear_cross_entrop
 use crate::cache::Cache;
 use crate::checkpoint::{Checkpoint, ModelDir};
 use crate::mixer::{decode_linear, rows_linear, Mixer};
-use crate::packing::{model_group_cost, Packing};
+use crate::packing::{Packing, GROUP_COST};
 use crate::Config;
 
 /// Prompt tokens per piece unless set otherwise.
@@ -267,13 +267,12 @@ impl Model {
         }
     }
 
-    /// Prefills the prompts from empty states, through the whole model at once: on CUDA as one row
-    /// in which every prompt starts at a chunk of the scan (the conv and the scan restarting at
-    /// each), where that pads less than groups would; else in groups of similar lengths, each
-    /// group one batch. Pads follow a prompt's tokens and are steps that change nothing (a dt of
-    /// exactly 0; a model with a dt_limit above 0, where that cannot be, runs the prompts packed
-    /// back to back in one row, each prompt's conv and scan alone). Returns the logits `[S,V]`
-    /// (f32) after each prompt's last token and a cache
+    /// Prefills the prompts from empty states, all at once: on CUDA packed back to back in one row
+    /// (each layer's conv and scan one launch for every prompt, restarting at each); on the CPU in
+    /// groups of similar lengths, each group one batch through the whole model whose shorter rows
+    /// are padded at their ends with steps that change nothing (a dt of exactly 0; a model with a
+    /// dt_limit above 0, where that cannot be, runs the packed row there too). Returns the logits
+    /// `[S,V]` (f32) after each prompt's last token and a cache
     /// of S rows, each prompt's state, as if each were prefilled alone. Every id is checked
     /// against the vocabulary first. The whole pack runs at once (no bounded pieces): split a
     /// very large set of prompts into several calls and [`Cache::join`] their caches.
@@ -316,10 +315,7 @@ impl Model {
         let mut flat: Vec<u32> = prompts.iter().flat_map(|p| p.iter().copied()).collect();
         let mut cache = self.new_cache(prompts.len())?;
         let packing = match self.blocks.first() {
-            Some(block) => {
-                let cost = model_group_cost(&self.device);
-                block.mixer.prefill_packing(&cu, cost, &self.device)?
-            }
+            Some(block) => block.mixer.packing(&cu, GROUP_COST, &self.device)?,
             None => None,
         };
         let h = match packing {
@@ -377,8 +373,8 @@ impl Model {
             .0)
     }
 
-    /// [`Model::prefill_groups`] for a model whose pads cannot be made inert (a dt_limit above 0):
-    /// the packed row `ids [1, T]` through every layer, each sequence's conv and scan alone.
+    /// The packed row `ids [1, T]` through every layer, the conv and the scan restarting at every
+    /// sequence (CUDA, and a model whose pads cannot be made inert: a dt_limit above 0).
     fn prefill_row(&self, ids: &Tensor, cu: &[usize], cache: &mut Cache) -> Result<Tensor> {
         let mut h = self.embed(ids)?;
         let mut residual = None;
@@ -733,66 +729,4 @@ pub(crate) fn check_vocab(
         )
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Prompts laid out in one aligned row (`Packing::aligned`, CUDA's choice for mixed lengths)
-    /// run through the whole model on the CPU: each prompt's logits and states as alone.
-    #[test]
-    fn an_aligned_row_prefills_each_prompt_as_alone() -> Result<()> {
-        let dev = Device::Cpu;
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../weights");
-        let model = Model::load(dir, DType::F32, &dev)?;
-        let vocab = model.config.vocab_size as u32;
-        let lens = [1usize, 130, 3, 128, 40];
-        let prompts: Vec<Vec<u32>> = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| {
-                (0..l)
-                    .map(|t| (17 * t as u32 + 31 * i as u32 + 5) % vocab)
-                    .collect()
-            })
-            .collect();
-        let mut cu = vec![0];
-        for l in lens {
-            cu.push(cu[cu.len() - 1] + l);
-        }
-        let Some(block) = model.blocks.first() else {
-            bail!("the shipped model has no layers")
-        };
-        let chunk = block.mixer.packed_chunk();
-        let packing = Packing::aligned(&cu, model.config.d_conv, chunk, DType::F32, &dev)?;
-        assert_eq!(packing.groups[0].len, Packing::aligned_len(&cu, chunk));
-        let mut flat: Vec<u32> = prompts.iter().flatten().copied().collect();
-        flat.push(0);
-        let mut cache = model.new_cache(lens.len())?;
-        let h = model.prefill_groups(&Tensor::new(flat.as_slice(), &dev)?, &packing, &mut cache)?;
-        let logits = model.logits(&h)?;
-        let err = |a: &Tensor, b: &Tensor| -> Result<f32> {
-            let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30);
-            Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
-        };
-        for (i, prompt) in prompts.iter().enumerate() {
-            let mut alone = model.new_cache(1)?;
-            let want = model.prefill(
-                &Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?,
-                &mut alone,
-            )?;
-            let mut worst = err(&logits.narrow(0, i, 1)?, &want)?;
-            for (got, want) in cache.layers().iter().zip(alone.layers()) {
-                worst = worst.max(err(&got.ssm.narrow(0, i, 1)?, &want.ssm)?);
-                worst = worst.max(err(&got.conv.narrow(0, i, 1)?, &want.conv)?);
-            }
-            assert!(
-                worst <= 1e-5,
-                "prompt {i} ({} tokens): rel err {worst:e}",
-                lens[i]
-            );
-        }
-        Ok(())
-    }
 }

@@ -1,4 +1,5 @@
-// Stage 1: dt processing and per-chunk cumulative sums of a·dt (log2 space).
+// Stage 1: dt processing and per-chunk cumulative sums of a·dt (log2 space; chunks as
+// m2::chunk_span places them).
 //   dt_out[b,h,l] = clamp(softplus(dt[b,l,h] + bias[h]))
 //   da[b,h,l]     = log2(e)·Σ_{s = chunk start..l} a[h]·dt_out[b,h,s]
 // One warp per (batch, chunk, head): lanes own consecutive tokens, a warp scan joins them.
@@ -8,14 +9,15 @@
 
 template <typename T>
 __device__ void chunk_cumsum(const T* __restrict__ dt, const float* __restrict__ a,
-                             const float* __restrict__ bias, float* __restrict__ out, int batch,
-                             int seqlen, int nheads, int chunk, int softplus, float lo, float hi,
+                             const float* __restrict__ bias, float* __restrict__ out,
+                             const m2::SsdParams& d, int softplus, float lo, float hi,
                              long dt_stride) {
+  const int batch = d.batch, seqlen = d.seqlen, nheads = d.nheads;
   const int h = blockIdx.z * blockDim.y + threadIdx.y;
   const int c = blockIdx.x, b = blockIdx.y, lane = threadIdx.x;
   if (h >= nheads) return;
-  const int l0 = c * chunk;
-  const int len = min(chunk, seqlen - l0);
+  int l0, len;
+  m2::chunk_span(d, c, l0, len);
   const float ah = a[h], bh = bias ? bias[h] : 0.f;
   const size_t row = (static_cast<size_t>(b) * nheads + h) * seqlen;
   float* dt_out = out + row;
@@ -55,7 +57,7 @@ __device__ void chunk_cumsum(const T* __restrict__ dt, const float* __restrict__
 #define CHUNK_CUMSUM(NAME, T)                                                             \
   extern "C" __global__ void NAME(m2::SsdSteps st, m2::SsdParams d) {                         \
     m2::wait_prior_grid();                                                                    \
-    chunk_cumsum<T>(static_cast<const T*>(st.dt), st.a, st.bias, st.out, d.batch, d.seqlen,     \
-                    d.nheads, d.chunk, st.softplus, st.lo, st.hi, st.dt_stride);                \
+    chunk_cumsum<T>(static_cast<const T*>(st.dt), st.a, st.bias, st.out, d, st.softplus, st.lo, \
+                    st.hi, st.dt_stride);                                                       \
   }
 #include "ssd/chunk_cumsum.inc"

@@ -99,7 +99,7 @@ struct Layout {
 
 // TMA: the unit tiles come by tensor map (x: channels, tokens, batch; the states as rows of N
 // by all their other indices), issued by one thread, completing on an mbarrier per buffer.
-template <typename T, typename S, int N, int PT, bool TMA>
+template <typename T, typename S, int N, int PT, bool TMA, bool PACKED>
 __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const T* __restrict__ cm, const float* __restrict__ dt,
                                 const float* __restrict__ da, const S* __restrict__ states,
@@ -125,7 +125,10 @@ __device__ void compute_out_mma(const T* __restrict__ x, const T* __restrict__ b
   const int c = blockIdx.x, b = blockIdx.z;
   const int h_first = blockIdx.y * HB;
   const int g = h_first / (D.nheads / D.ngroups);
-  const int l0 = c * chunk, len = min(chunk, D.seqlen - l0);
+  // Unpacked, the span comes from blockIdx and the parameters, which the compiler forms again
+  // where it needs them instead of holding two registers through the kernel.
+  int l0 = c * chunk, len = min(chunk, D.seqlen - l0);
+  if constexpr (PACKED) m2::chunk_span(D, c, l0, len);
   const int threads = blockDim.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int ptiles = P / PT, units = HB * ptiles;
   const size_t hp = static_cast<size_t>(D.nheads) * P;
@@ -473,7 +476,8 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
   const int c = blockIdx.x, bh = blockIdx.y;
   const int b = bh / D.nheads, h = bh % D.nheads, g = h / (D.nheads / D.ngroups);
   const int chunk = D.chunk, N = D.dstate, P = D.headdim;
-  const int l0 = c * chunk, len = min(chunk, D.seqlen - l0);
+  int l0, len;
+  m2::chunk_span(D, c, l0, len);
   const size_t hp = static_cast<size_t>(D.nheads) * P, gn = static_cast<size_t>(D.ngroups) * N;
   const size_t tok0 = static_cast<size_t>(b) * D.seqlen + l0;
   const size_t row = static_cast<size_t>(bh) * D.seqlen + l0;
@@ -517,18 +521,20 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
 // The kernels, instantiated from the list in src/instances.rs (compute_out.inc). One warp per 16
 // rows of a chunk of at most 256 tokens: at most 512 threads, 128 registers. The `_tma` forms
 // (sm_90+, states of the value type) take x, the states, c and b as tensor maps.
+// PACKED: the chunks from the table of packed sequences (SsdParams::chunk_starts), forms of their
+// own so that the common ones keep their registers.
 #define CO_ARGS(T, S)                                                                          \
   const T *x, const T *b, const T *c, const float *dt, const float *da, const S *states,       \
       const float *dskip, const T *z, T *y, SsdParams d
-#define CO_MMA(NAME, T, S, N, PT)                                                              \
+#define CO_MMA(NAME, T, S, N, PT, PACKED)                                                      \
   extern "C" __global__ void __launch_bounds__(512) NAME(CO_ARGS(T, S)) {                      \
     m2::mark(0);                                                                               \
     if (!d.early) m2::wait_prior_grid();                                                       \
-    compute_out_mma<T, S, N, PT, false>(x, b, c, dt, da, states, dskip, z, y, d, nullptr,      \
-                                        nullptr, nullptr, nullptr);                            \
+    compute_out_mma<T, S, N, PT, false, PACKED>(x, b, c, dt, da, states, dskip, z, y, d,       \
+                                                nullptr, nullptr, nullptr, nullptr);           \
     m2::mark_all(3);                                                                           \
   }
-#define CO_MMA_TMA(NAME, T, N, PT)                                                             \
+#define CO_MMA_TMA(NAME, T, N, PT, PACKED)                                                     \
   extern "C" __global__ void __launch_bounds__(512)                                            \
       NAME(const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap th, \
            const __grid_constant__ m2::TensorMap tc, const __grid_constant__ m2::TensorMap tb, \
@@ -536,8 +542,8 @@ __device__ void compute_out_simt(const T* __restrict__ x, const T* __restrict__ 
            const float* dskip, const T* z, T* y, SsdParams d) {                                \
     m2::mark(0);                                                                               \
     if (!d.early) m2::wait_prior_grid();                                                       \
-    compute_out_mma<T, T, N, PT, true>(nullptr, b, c, dt, da, states, dskip, z, y, d, &tx,     \
-                                       &th, &tc, &tb);                                         \
+    compute_out_mma<T, T, N, PT, true, PACKED>(nullptr, b, c, dt, da, states, dskip, z, y, d,  \
+                                               &tx, &th, &tc, &tb);                            \
     m2::mark_all(3);                                                                           \
   }
 #define CO_SIMT(NAME, T, S)                                                                    \

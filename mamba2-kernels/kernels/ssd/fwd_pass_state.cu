@@ -63,7 +63,8 @@ __device__ void fwd_pass_state_simt(const T* __restrict__ x, const T* __restrict
   const size_t own = static_cast<size_t>(blockIdx.y) * pn + e;  // its row of init and last
   float state = (init && live) ? m2::to_f(init[own]) : 0.f;
   for (int c = r.c0; c < r.c1; ++c) {
-    const int l0 = c * D.chunk, len = min(D.chunk, D.seqlen - l0);
+    int l0, len;
+    m2::chunk_span(D, c, l0, len);
     const float d_last = da[row + l0 + len - 1];
     __syncthreads();
     for (int i = threadIdx.x; i < len; i += blockDim.x)
@@ -155,7 +156,7 @@ __device__ __forceinline__ float chunk_steps(const SsdSteps& st, int b, int h, i
 // shared memory as 16-byte rows.
 // CS: the `_cs` form (stage 1 from `steps`; dt and da unused), else dt/da from chunk_cumsum.
 // TMA: the `_tma` form (x and b unused): the tiles come by the tensor maps `tx`, `tb`.
-template <typename T, typename S, int WARPS, int NT, bool CS, bool TMA>
+template <typename T, typename S, int WARPS, int NT, bool CS, bool TMA, bool PACKED>
 __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
                                 const float* __restrict__ dt, const float* __restrict__ da,
                                 S* __restrict__ states, SsdParams D, const SsdSteps& steps,
@@ -185,7 +186,10 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
   const size_t gn = static_cast<size_t>(D.ngroups) * D.dstate;
   const size_t row = static_cast<size_t>(bh) * D.seqlen;
   const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
-  const int l0 = c * chunk, len = min(chunk, D.seqlen - l0);
+  // Unpacked, the span comes from blockIdx and the parameters, which the compiler forms again
+  // where it needs them instead of holding two registers through the kernel.
+  int l0 = c * chunk, len = min(chunk, D.seqlen - l0);
+  if constexpr (PACKED) m2::chunk_span(D, c, l0, len);
 
   const size_t tok0 = static_cast<size_t>(b) * D.seqlen + l0;
   // The per-token scalars are loaded first, so that their latency overlaps the tile copies
@@ -378,14 +382,16 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
 // Packed, the slot between sequences s and s + 1 holds local_{c1−1} until s's program has read
 // it; that program then writes the next sequence's initial state there (no other program reads
 // or writes it, so there is no race), and sequence s + 1's program starts from init directly.
-template <typename S, int PF>
+template <typename S, int PF, bool PACKED>
 __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ init,
                            S* __restrict__ states, S* __restrict__ last, SsdParams D) {
   using V8 = m2::Vec8<S>;
   const size_t pn = static_cast<size_t>(D.headdim) * D.dstate;
   const size_t e = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   if (e >= pn) return;
-  const ScanRow r = scan_row(blockIdx.y, D);
+  // PACKED: the rows of packed sequences (a form of its own: the common one keeps its registers).
+  const ScanRow r = PACKED ? scan_row(blockIdx.y, D)
+                           : ScanRow{0, D.nchunks, static_cast<int>(blockIdx.y), -1};
   const size_t own = static_cast<size_t>(blockIdx.y) * pn + e;  // its row of init and last
   const float* dah = da + static_cast<size_t>(r.bh) * D.seqlen;
   S* base = states + static_cast<size_t>(r.bh) * (D.nchunks + 1) * pn + e;
@@ -405,7 +411,9 @@ __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ i
   float d_last[PF];
   auto fetch = [&](int c, int i) {
     ring[i] = V8::load(base + static_cast<size_t>(c + 1) * pn, true);
-    d_last[i] = dah[min((c + 1) * D.chunk, D.seqlen) - 1];
+    int l0, len;
+    m2::chunk_span(D, c, l0, len);
+    d_last[i] = dah[l0 + len - 1];
   };
 #pragma unroll
   for (int i = 0; i < PF; ++i)
@@ -435,7 +443,8 @@ __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ i
 }  // namespace
 
 // The kernels, instantiated from the list in src/instances.rs (fwd_pass_state.inc). Every form
-// takes the SsdParams; the `_cs` forms also take stage 1's SsdSteps, the `_tma` forms x and b as
+// takes the SsdParams (chunk_state_mma's PACKED forms: the chunks of packed sequences, from
+// SsdParams::chunk_starts, forms of their own so that the common ones keep their registers); the `_cs` forms also take stage 1's SsdSteps, the `_tma` forms x and b as
 // tensor maps (3-D: channels, tokens, batch; boxes of `box_rows` tokens, sm_90+).
 #define FPS_SIMT(NAME, T, S)                                                                   \
   extern "C" __global__ void NAME(const T* x, const T* b, const float* dt, const float* da,    \
@@ -443,53 +452,53 @@ __device__ void state_scan(const float* __restrict__ da, const S* __restrict__ i
     m2::wait_prior_grid();                                                                     \
     fwd_pass_state_simt<T, S>(x, b, dt, da, init, states, last, d);                            \
   }
-#define CHUNK_STATE(NAME, T, S, W, NT)                                                         \
+#define CHUNK_STATE(NAME, T, S, W, NT, PACKED)                                                         \
   extern "C" __global__ void __launch_bounds__(32 * W)                                         \
       NAME(const T* x, const T* b, const float* dt, const float* da, S* states, SsdParams d) { \
     m2::mark(0);                                                                               \
     m2::wait_prior_grid();                                                                     \
-    chunk_state_mma<T, S, W, NT, false, false>(x, b, dt, da, states, d, SsdSteps{}, nullptr,   \
+    chunk_state_mma<T, S, W, NT, false, false, PACKED>(x, b, dt, da, states, d, SsdSteps{}, nullptr,   \
                                                nullptr, 0);                                    \
     m2::mark_all(4);                                                                           \
   }
-#define CHUNK_STATE_CS(NAME, T, S, W, NT)                                                      \
+#define CHUNK_STATE_CS(NAME, T, S, W, NT, PACKED)                                                      \
   extern "C" __global__ void __launch_bounds__(32 * W)                                         \
       NAME(const T* x, const T* b, S* states, SsdParams d, SsdSteps steps) {                   \
     m2::mark(0);                                                                               \
     m2::wait_prior_grid();                                                                     \
-    chunk_state_mma<T, S, W, NT, true, false>(x, b, nullptr, nullptr, states, d, steps,        \
+    chunk_state_mma<T, S, W, NT, true, false, PACKED>(x, b, nullptr, nullptr, states, d, steps,        \
                                               nullptr, nullptr, 0);                            \
     m2::mark_all(4);                                                                           \
   }
-#define CHUNK_STATE_TMA(NAME, T, S, W, NT)                                                     \
+#define CHUNK_STATE_TMA(NAME, T, S, W, NT, PACKED)                                                     \
   extern "C" __global__ void __launch_bounds__(32 * W)                                         \
       NAME(const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tb, \
            int box_rows, const float* dt, const float* da, S* states, SsdParams d) {           \
     m2::mark(0);                                                                               \
     m2::wait_prior_grid();                                                                     \
-    chunk_state_mma<T, S, W, NT, false, true>(nullptr, nullptr, dt, da, states, d, SsdSteps{}, \
+    chunk_state_mma<T, S, W, NT, false, true, PACKED>(nullptr, nullptr, dt, da, states, d, SsdSteps{}, \
                                               &tx, &tb, box_rows);                             \
     m2::mark_all(4);                                                                           \
   }
-#define CHUNK_STATE_TMA_CS(NAME, T, S, W, NT)                                                  \
+#define CHUNK_STATE_TMA_CS(NAME, T, S, W, NT, PACKED)                                                  \
   extern "C" __global__ void __launch_bounds__(32 * W)                                         \
       NAME(const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tb, \
            int box_rows, S* states, SsdParams d, SsdSteps steps) {                             \
     m2::mark(0);                                                                               \
     m2::wait_prior_grid();                                                                     \
-    chunk_state_mma<T, S, W, NT, true, true>(nullptr, nullptr, nullptr, nullptr, states, d,    \
+    chunk_state_mma<T, S, W, NT, true, true, PACKED>(nullptr, nullptr, nullptr, nullptr, states, d,    \
                                              steps, &tx, &tb, box_rows);                       \
     m2::mark_all(4);                                                                           \
   }
 // PF chunks of 8 elements in flight per thread: 128 bytes, or 256 in the `_deep` ring (for grids
 // with few threads; the launcher's choice).
-#define SCAN(NAME, S, PF)                                                                      \
+#define SCAN(NAME, S, PF, PACKED)                                                              \
   extern "C" __global__ void NAME(const float* da, const S* init, S* states, S* last,          \
                                   SsdParams d) {                                               \
     m2::mark(5);                                                                               \
     m2::wait_prior_grid();                                                                     \
     m2::mark(6);                                                                               \
-    state_scan<S, PF>(da, init, states, last, d);                                              \
+    state_scan<S, PF, PACKED>(da, init, states, last, d);                                      \
     m2::mark_all(7);                                                                           \
   }
 #include "ssd/fwd_pass_state.inc"

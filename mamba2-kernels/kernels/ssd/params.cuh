@@ -24,8 +24,12 @@ struct SsdParams {
   // next sequence's first. Null (seqs 0): every batch row one sequence, every slot written.
   int seqs;
   const int* seq_chunks;
+  // Sequences packed along L with boundaries anywhere: chunk c covers tokens
+  // [chunk_starts[c], chunk_starts[c+1]) (at most `chunk`, never across a sequence's end), so
+  // that no chunk mixes two sequences. Null: chunk c covers [c·chunk, min((c+1)·chunk, seqlen)).
+  const int* chunk_starts;
 };
-M2_SIZE(SsdParams, 64);
+M2_SIZE(SsdParams, 72);
 M2_AT(SsdParams, batch, 0);
 M2_AT(SsdParams, seqlen, 4);
 M2_AT(SsdParams, nheads, 8);
@@ -41,6 +45,18 @@ M2_AT(SsdParams, discard_states, 44);
 M2_AT(SsdParams, release_at, 48);
 M2_AT(SsdParams, seqs, 52);
 M2_AT(SsdParams, seq_chunks, 56);
+M2_AT(SsdParams, chunk_starts, 64);
+
+// Chunk c's first token l0 and its length len (see chunk_starts).
+__device__ __forceinline__ void chunk_span(const SsdParams& d, int c, int& l0, int& len) {
+  if (d.chunk_starts) {
+    l0 = d.chunk_starts[c];
+    len = d.chunk_starts[c + 1] - l0;
+  } else {
+    l0 = c * d.chunk;
+    len = min(d.chunk, d.seqlen - l0);
+  }
+}
 
 // Stage 1's inputs and outputs (chunk_cumsum, and chunk_state_mma's `_cs` forms): raw dt of the
 // value type with token rows `dt_stride` elements apart, a [H] and bias [H] (null: none) f32,

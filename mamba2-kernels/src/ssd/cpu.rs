@@ -51,41 +51,6 @@ pub(super) fn chunk_states<T: Real>(
     dims: &SsdDims,
     chunk: usize,
 ) -> Vec<T> {
-    scan_chunks((x, b), (dt, da), init, None, dims, chunk).0
-}
-
-/// [`chunk_states`] of sequences packed along L of the one row, sequence s on the chunks
-/// `firsts[s]..firsts[s+1]` from row s of `init [S,H,P,N]`: slot `firsts[s]` holds that initial
-/// state (the recurrence restarts there). Returns the states and the final states `[S,H,P,N]`.
-pub(super) fn chunk_states_packed<T: Real>(
-    (x, b): (&[T], &[T]),
-    (dt, da): (&[T], &[T]),
-    init: Option<&[T]>,
-    firsts: &[usize],
-    dims: &SsdDims,
-    chunk: usize,
-) -> (Vec<T>, Vec<T>) {
-    let (states, ends) = scan_chunks((x, b), (dt, da), init, Some(firsts), dims, chunk);
-    let (pn, seqs) = (dims.headdim * dims.dstate, firsts.len() - 1);
-    let mut last = vec![T::zero(); seqs * dims.nheads * pn];
-    for (h, head) in ends.iter().enumerate() {
-        for (s, end) in head.chunks(pn).enumerate() {
-            last[(s * dims.nheads + h) * pn..][..pn].copy_from_slice(end);
-        }
-    }
-    (states, last)
-}
-
-/// The chunk states, and with `firsts` (packed sequences, batch 1) every (batch, head)'s state
-/// after each sequence's last chunk, `[S,P,N]` per head.
-fn scan_chunks<T: Real>(
-    (x, b): (&[T], &[T]),
-    (dt, da): (&[T], &[T]),
-    init: Option<&[T]>,
-    firsts: Option<&[usize]>,
-    dims: &SsdDims,
-    chunk: usize,
-) -> (Vec<T>, Vec<Vec<T>>) {
     let SsdDims {
         seqlen,
         nheads,
@@ -97,29 +62,17 @@ fn scan_chunks<T: Real>(
     let (t, hpg, nchunks) = (chunk, dims.heads_per_group(), dims.nchunks(chunk));
     let pn = headdim * dstate;
     let mut states = vec![T::zero(); dims.chunk_states_len(t)];
-    let ends = states
+    states
         .par_chunks_mut((nchunks + 1) * pn)
         .enumerate()
-        .map(|(bh, st)| {
+        .for_each(|(bh, st)| {
             let (bi, h) = (bh / nheads, bh % nheads);
             let g = h / hpg;
-            // The initial state of sequence s (of the batch row when not packed) into slot c.
-            let start = |st: &mut [T], s: usize, c: usize| {
-                let row = if firsts.is_some() { s * nheads + h } else { bh };
-                let slot = &mut st[c * pn..(c + 1) * pn];
-                match init {
-                    Some(init) => slot.copy_from_slice(&init[row * pn..(row + 1) * pn]),
-                    None => slot.fill(T::zero()),
-                }
-            };
-            start(st, 0, 0);
-            let mut ends = Vec::new();
+            if let Some(init) = init {
+                st[..pn].copy_from_slice(&init[bh * pn..(bh + 1) * pn]);
+            }
             let mut w = vec![T::zero(); t.min(seqlen) * dstate];
             for c in 0..nchunks {
-                if let Some(s) = firsts.and_then(|f| f[1..].iter().position(|&f| f == c)) {
-                    ends.extend_from_slice(&st[c * pn..(c + 1) * pn]);
-                    start(st, s + 1, c);
-                }
                 let l0 = c * t;
                 let tc = t.min(seqlen - l0);
                 let row = (bi * nheads + h) * seqlen + l0;
@@ -155,13 +108,8 @@ fn scan_chunks<T: Real>(
                     Some(d_last.exp2()),
                 );
             }
-            if firsts.is_some() {
-                ends.extend_from_slice(&st[nchunks * pn..]);
-            }
-            ends
-        })
-        .collect();
-    (states, ends)
+        });
+    states
 }
 
 /// The final states `[B,H,P,N]`: entry C of every (batch, head) of the chunk states.
@@ -202,6 +150,7 @@ pub(super) fn compute_out<T: Real>(
         headdim,
         ngroups,
         dstate,
+        ..
     } = *dims;
     let (t, hpg, nchunks) = (chunk, dims.heads_per_group(), dims.nchunks(chunk));
     let (hp, gn, pn) = (nheads * headdim, ngroups * dstate, headdim * dstate);

@@ -135,6 +135,7 @@ pub(super) fn backward<T: Real>(
         headdim,
         ngroups,
         dstate,
+        ..
     } = dims;
     let chunk = inp.chunk;
     let Kept { steps, states } = match kept {

@@ -105,9 +105,36 @@ struct Ssd {
     keep: bool,
     /// The kept chunk states and their chunk.
     kept: Slot<(Tensor, usize)>,
-    /// Sequences packed along L of the one row, by their first chunks: each runs from its row of
-    /// `init` `[S,H,P,N]` and ends in its row of the final states.
-    packed: Option<Seqs>,
+    /// Sequences packed along L of the one row: each runs from its row of `init` `[S,H,P,N]`
+    /// and ends in its row of the final states.
+    packed: Option<Packed>,
+}
+
+/// Sequences packed along L as the op runs them: their offsets, and the chunks of the CUDA
+/// kernels, split at every boundary (no chunk holds two sequences; `dims.chunks` of them): each
+/// sequence's first chunk `[S+1]` and each chunk's first token `[C+1]`.
+#[derive(Debug)]
+struct Packed {
+    cu: Vec<usize>,
+    firsts: Seqs,
+    starts: Seqs,
+}
+
+impl Packed {
+    /// `cu_seqlens` (checked) at chunks of `chunk` tokens from each sequence's start.
+    fn new(cu_seqlens: &[usize], chunk: usize, device: &candle_core::Device) -> Result<Self> {
+        let (mut firsts, mut starts) = (vec![0], Vec::new());
+        for w in cu_seqlens.windows(2) {
+            starts.extend((w[0]..w[1]).step_by(chunk));
+            firsts.push(starts.len());
+        }
+        starts.push(cu_seqlens[cu_seqlens.len() - 1]);
+        Ok(Self {
+            cu: cu_seqlens.to_vec(),
+            firsts: Seqs::new(&firsts, device)?,
+            starts: Seqs::new(&starts, device)?,
+        })
+    }
 }
 
 impl CustomOp3 for Ssd {
@@ -157,7 +184,7 @@ impl CustomOp3 for Ssd {
             chunk_size: self.chunk_size,
             state_dtype: self.state_dtype,
             keep: self.keep,
-            packed: self.packed.as_ref(),
+            packed: self.packed.as_ref().map(|p| (&p.firsts, &p.starts)),
         };
         let (y, last, kept) = cuda::ssd(&fused)?;
         self.final_state.put(self.name(), Storage::Cuda(last))?;
@@ -175,7 +202,7 @@ impl Ssd {
         &self,
         [(x_s, x_l), (b_s, b_l), (c_s, c_l)]: [CpuArg; 3],
     ) -> Result<(CpuStorage, Shape)> {
-        let (op, dims, chunk) = ("ssd", &self.dims, self.chunk_size);
+        let (op, dims) = ("ssd", self.dims);
         let (x, b, c) = (
             view::<T>(op, "x", x_s, x_l)?,
             view::<T>(op, "b", b_s, b_l)?,
@@ -186,51 +213,99 @@ impl Ssd {
             self.z.as_ref().map(Held::new),
             self.init.as_ref().map(Held::new),
         );
-        let dt_in = held.0.view::<T>(op, "dt")?;
+        let dt = held.0.view::<T>(op, "dt")?;
         let z = held.1.as_ref().map(|h| h.view::<T>(op, "z")).transpose()?;
         let init = held
             .2
             .as_ref()
             .map(|h| h.view::<T>(op, "initial_state"))
             .transpose()?;
-        let bias = match &self.dt_bias {
-            Some(t) => small::<T>(t)?,
-            None => vec![T::zero(); dims.nheads],
+        let params = CpuParams {
+            a: small::<T>(&self.a)?,
+            bias: match &self.dt_bias {
+                Some(t) => small::<T>(t)?,
+                None => vec![T::zero(); dims.nheads],
+            },
+            d: self.d.as_ref().map(small::<T>).transpose()?,
         };
-        let d = self.d.as_ref().map(small::<T>).transpose()?;
-        let shape = (dims.batch, dims.seqlen, dims.nheads);
-        let a = small::<T>(&self.a)?;
-        let steps = cpu::chunk_cumsum(&dt_in, shape, &a, &bias, self.rule, chunk);
-        let (dt, da) = steps.split_at(steps.len() / 2);
-        let (mut states, mut last) = match &self.packed {
-            Some(seqs) => {
-                let xb = (&x[..], &b[..]);
-                cpu::chunk_states_packed(xb, (dt, da), init.as_deref(), &seqs.cu, dims, chunk)
-            }
+        let (y, last) = match &self.packed {
             None => {
-                let states = cpu::chunk_states((&x, &b), (dt, da), init.as_deref(), dims, chunk);
-                let last = cpu::final_states(&states, dims, chunk);
-                (states, last)
+                let inputs = [&x[..], &b, &c, &dt];
+                self.cpu_run(inputs, z.as_deref(), init.as_deref(), &params, dims)
+            }
+            Some(packed) => {
+                // Each sequence alone, from its row of the initial states.
+                let (hp, gn) = (dims.nheads * dims.headdim, dims.ngroups * dims.dstate);
+                let state = dims.nheads * dims.headdim * dims.dstate;
+                let (mut y, mut last) = (Vec::with_capacity(x.len()), Vec::new());
+                for (s, w) in packed.cu.windows(2).enumerate() {
+                    let part = |v: &'_ [T], width: usize| -> Vec<T> {
+                        v[w[0] * width..w[1] * width].to_vec()
+                    };
+                    let one = SsdDims {
+                        batch: 1,
+                        seqlen: w[1] - w[0],
+                        chunks: None,
+                        ..dims
+                    };
+                    let (xs, bs, cs, dts) = (
+                        part(&x, hp),
+                        part(&b, gn),
+                        part(&c, gn),
+                        part(&dt, dims.nheads),
+                    );
+                    let zs = z.as_deref().map(|z| part(z, hp));
+                    let init = init.as_deref().map(|i| &i[s * state..(s + 1) * state]);
+                    let inputs = [&xs[..], &bs, &cs, &dts];
+                    let (ys, ls) = self.cpu_run(inputs, zs.as_deref(), init, &params, one);
+                    y.extend(ys);
+                    last.extend(ls);
+                }
+                (y, last)
             }
         };
-        // compute_out reads the chunk states as stored: rounded to the state dtype.
-        round_to(&mut states, self.state_dtype);
-        round_to(&mut last, self.state_dtype);
         self.final_state
             .put(op, Storage::Cpu(to_storage(last, self.state_dtype)?))?;
-        let inputs = cpu::OutInputs {
-            x: &x,
-            b: &b,
-            c: &c,
-            dt,
-            da,
-            d: d.as_deref(),
-            z: z.as_deref(),
-        };
-        let y = cpu::compute_out(&inputs, &states, dims, chunk);
         let y_shape = Shape::from((dims.batch, dims.seqlen, dims.nheads, dims.headdim));
         Ok((to_storage(y, x_s.dtype())?, y_shape))
     }
+
+    /// The three stages on the CPU over `[x, b, c, dt]` of `dims`: `(y, final state)`, the
+    /// chunk states rounded to the state dtype as compute_out reads them.
+    fn cpu_run<T: Real>(
+        &self,
+        [x, b, c, dt_in]: [&[T]; 4],
+        z: Option<&[T]>,
+        init: Option<&[T]>,
+        params: &CpuParams<T>,
+        dims: SsdDims,
+    ) -> (Vec<T>, Vec<T>) {
+        let chunk = self.chunk_size;
+        let shape = (dims.batch, dims.seqlen, dims.nheads);
+        let steps = cpu::chunk_cumsum(dt_in, shape, &params.a, &params.bias, self.rule, chunk);
+        let (dt, da) = steps.split_at(steps.len() / 2);
+        let mut states = cpu::chunk_states((x, b), (dt, da), init, &dims, chunk);
+        round_to(&mut states, self.state_dtype);
+        let last = cpu::final_states(&states, &dims, chunk);
+        let inputs = cpu::OutInputs {
+            x,
+            b,
+            c,
+            dt,
+            da,
+            d: params.d.as_deref(),
+            z,
+        };
+        (cpu::compute_out(&inputs, &states, &dims, chunk), last)
+    }
+}
+
+/// The per-head parameters of the CPU forward in its compute type: a, dt's bias (zeros when
+/// none) and D.
+struct CpuParams<T> {
+    a: Vec<T>,
+    bias: Vec<T>,
+    d: Option<Vec<T>>,
 }
 
 /// Runs the SSD over `x [B,L,H,P]` with `dt [B,L,H]`, `a [H]` f32, `b, c [B,L,G,N]`.
@@ -370,24 +445,24 @@ fn forward(
     Ok((y, last, SsdSaved { states }))
 }
 
-/// [`ssd`] of the sequences packed along L of `x [1,T,H,P]` that each start at a chunk of
-/// `opts.chunk_size` (`firsts`: every sequence's first chunk and, last, the chunk count), as one
-/// call that records no gradient: each from its row of `opts.initial_state` `[S,H,P,N]` (checked
-/// by the caller; zeros if `None`) to its row of the final states. Returns `(y [1,T,H,P], final
-/// states [S,H,P,N])`.
+/// [`ssd`] of the sequences packed along L of `x [1,T,H,P]` (`cu_seqlens`, checked) as one call
+/// that records no gradient: each from its row of `opts.initial_state` `[S,H,P,N]` (checked by the
+/// caller; zeros if `None`) to its row of the final states, in chunks of `opts.chunk_size` from
+/// its own start. Returns `(y [1,T,H,P], final states [S,H,P,N])`.
 pub(crate) fn forward_packed(
     (x, dt, a, b, c): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
     opts: &SsdOptions,
-    firsts: &[usize],
+    cu_seqlens: &[usize],
 ) -> Result<(Tensor, Tensor)> {
     let unbatched = SsdOptions {
         initial_state: None,
         ..*opts
     };
-    let dims = checked((x, dt, a, b, c), &unbatched)?;
-    let seqs = Seqs::new(firsts, x.device())?;
-    let count = seqs.count();
-    let op = Ssd::new((dt, a), opts, dims, false, Some(seqs))?;
+    let mut dims = checked((x, dt, a, b, c), &unbatched)?;
+    let packed = Packed::new(cu_seqlens, opts.chunk_size, x.device())?;
+    let count = packed.firsts.count();
+    dims.chunks = Some(packed.starts.count());
+    let op = Ssd::new((dt, a), opts, dims, false, Some(packed))?;
     let y = x
         .contiguous()?
         .apply_op3_no_bwd(&b.contiguous()?, &c.contiguous()?, &op)?;
@@ -405,7 +480,7 @@ impl Ssd {
         opts: &SsdOptions,
         dims: SsdDims,
         keep: bool,
-        packed: Option<Seqs>,
+        packed: Option<Packed>,
     ) -> Result<Self> {
         let contiguous = |t: Option<&Tensor>| t.map(Tensor::contiguous).transpose();
         let init = opts

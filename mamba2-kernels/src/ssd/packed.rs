@@ -7,12 +7,13 @@
 //! ```
 //!
 //! No state crosses a boundary: each sequence runs from its own initial state, whatever its
-//! length, so the result is the one it has alone. Where every sequence starts at a chunk
-//! (`cu_seqlens[s]` a multiple of `chunk_size`, as `mamba2_model` lays out a ragged prefill) and
-//! no input records gradients, the whole row is one `ssd` call whose state pass restarts at each
-//! sequence's first chunk (on CUDA one launch of the pipeline for all sequences). Otherwise
-//! (boundaries inside chunks, or gradients) each sequence runs as [`ssd`] on its own tokens, the
-//! pieces views of the packed inputs and y their concatenation, differentiable as `ssd` is.
+//! length (1 token, or boundaries inside chunks), so the result is the one it has alone. Where
+//! no input records gradients the whole row is one `ssd` call: on CUDA one launch of the pipeline
+//! for all sequences, over chunks of `chunk_size` counted from each sequence's start (a
+//! sequence's last chunk may be shorter; no chunk holds two sequences), the state pass restarting
+//! at each sequence's first chunk; on the CPU each sequence through the three stages alone.
+//! Where an input records gradients each sequence runs as [`ssd`] on its own tokens, the pieces
+//! views of the packed inputs and y their concatenation, differentiable as `ssd` is.
 
 use candle_core::{bail, Result, Tensor};
 
@@ -72,13 +73,11 @@ pub fn ssd_packed(
             bail!("{op}: initial_state holds {s} states for {count} sequences (cu_seqlens {cu_seqlens:?})")
         }
     }
-    let chunk = opts.chunk_size;
-    let aligned = chunk > 0 && cu_seqlens[..count].iter().all(|&o| o % chunk == 0);
     let optional = [opts.d, opts.z, opts.initial_state, opts.dt.bias];
     let inputs = [x, dt, a, b, c]
         .into_iter()
         .chain(optional.into_iter().flatten());
-    if aligned && !inputs.into_iter().any(Tensor::track_op) {
+    if !inputs.into_iter().any(Tensor::track_op) {
         if let Some(init) = opts.initial_state {
             let dims = SsdDims::values(op, x, b)?;
             SsdDims {
@@ -87,9 +86,7 @@ pub fn ssd_packed(
             }
             .state(op, "initial_state", init, x)?;
         }
-        let mut firsts: Vec<usize> = cu_seqlens[..count].iter().map(|&o| o / chunk).collect();
-        firsts.push(total.div_ceil(chunk));
-        return forward_packed((x, dt, a, b, c), opts, &firsts);
+        return forward_packed((x, dt, a, b, c), opts, cu_seqlens);
     }
     let mut ys = Vec::with_capacity(count);
     let mut states = Vec::with_capacity(count);

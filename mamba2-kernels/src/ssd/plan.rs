@@ -53,8 +53,8 @@ impl ChunkStateTile {
         d.batch * d.nheads * d.nchunks(chunk) * tiles
     }
 
-    pub fn kernel(&self, form: ChunkStateForm, t: Ty, s: Ty) -> String {
-        instances::chunk_state_mma(form, t, s, self.warps, self.nt)
+    pub fn kernel(&self, form: ChunkStateForm, packed: bool, t: Ty, s: Ty) -> String {
+        instances::chunk_state_mma(form, packed, t, s, self.warps, self.nt)
     }
 }
 
@@ -207,6 +207,7 @@ mod tests {
             headdim,
             ngroups: 1,
             dstate,
+            chunks: None,
         }
     }
 
@@ -321,19 +322,22 @@ mod tests {
                             let bytes = if s == Ty::F32 { 4 } else { 2 };
                             if let Some(tile) = chunk_state_tile(&d, chunk, t, bytes, true, SMEM) {
                                 for form in ChunkStateForm::ALL {
-                                    let name = tile.kernel(form, t, s);
-                                    assert!(names.contains(&name), "{name}");
+                                    for packed in [false, true] {
+                                        let name = tile.kernel(form, packed, t, s);
+                                        assert!(names.contains(&name), "{name}");
+                                    }
                                     planned += 1;
                                 }
                             }
                             if let Some((n, pt)) = out_tile(&d, chunk, t, true) {
-                                let name = instances::compute_out_mma(false, t, s, n, pt);
-                                assert!(names.contains(&name), "{name}");
                                 // The tensor-map forms run when the states have the values'
                                 // type.
-                                if s == t {
-                                    let name = instances::compute_out_mma(true, t, s, n, pt);
-                                    assert!(names.contains(&name), "{name}");
+                                for tma in [false, s == t] {
+                                    for packed in [false, true] {
+                                        let name =
+                                            instances::compute_out_mma(tma, packed, t, s, n, pt);
+                                        assert!(names.contains(&name), "{name}");
+                                    }
                                 }
                                 planned += 1;
                             }
@@ -349,8 +353,10 @@ mod tests {
                     instances::chunk_cumsum(t),
                     instances::fwd_pass_state_simt(t, s),
                     instances::compute_out_simt(t, s),
-                    instances::state_scan(false, s),
-                    instances::state_scan(true, s),
+                    instances::state_scan(false, false, s),
+                    instances::state_scan(true, false, s),
+                    instances::state_scan(false, true, s),
+                    instances::state_scan(true, true, s),
                 ] {
                     assert!(names.contains(&name), "{name}");
                 }

@@ -198,6 +198,7 @@ pub fn ssd_step(
         headdim,
         ngroups,
         dstate,
+        chunks: None,
     };
     check::float(op, "x", x)?;
     dims.check_groups(op)?;

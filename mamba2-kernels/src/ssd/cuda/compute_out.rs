@@ -29,6 +29,8 @@ pub(super) struct OutPtrs {
     pub d: u64,
     pub z: u64,
     pub y: u64,
+    /// Every chunk's first token (i32 `[nchunks + 1]`) for sequences packed along L, 0 for none.
+    pub chunk_starts: u64,
 }
 
 /// What comes before compute_out on its stream.
@@ -55,6 +57,7 @@ pub(super) fn out_pass(
     let name = "compute_out";
     let nchunks = d.nchunks(chunk);
     let mut kp = SsdParams::new(d, chunk)?;
+    kp.chunk_starts = p.chunk_starts;
     kp.d_per_channel = d_per_channel as i32;
     kp.early = matches!(after, After::StatePass { .. }) as i32;
     // Where the states are `ssd`'s own intermediates compute_out is their last reader: it drops
@@ -108,13 +111,13 @@ pub(super) fn out_pass(
         };
         let (kernel, args): (_, Vec<&dyn Arg>) = match &maps {
             Some((tx, th, tc, tb)) => (
-                instances::compute_out_mma(true, t, s, n, ptile),
+                instances::compute_out_mma(true, p.chunk_starts != 0, t, s, n, ptile),
                 vec![
                     tx, th, tc, tb, &p.b, &p.c, &p.dt, &p.da, &p.states, &p.d, &p.z, &p.y, &kp,
                 ],
             ),
             None => (
-                instances::compute_out_mma(false, t, s, n, ptile),
+                instances::compute_out_mma(false, p.chunk_starts != 0, t, s, n, ptile),
                 vec![
                     &p.x, &p.b, &p.c, &p.dt, &p.da, &p.states, &p.d, &p.z, &p.y, &kp,
                 ],

@@ -10,7 +10,7 @@ use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Result};
 
 use super::chunk_cumsum::launch_stage1;
-use super::params::{SsdParams, SsdSteps};
+use super::params::{PackedPtrs, SsdParams, SsdSteps};
 use crate::check::SsdDims;
 use crate::cuda::tensor_map::tokens;
 use crate::cuda::{cfg, fatbin, function, has_tma, i, launch, max_smem, sm_count, ty, Arg, Image};
@@ -21,8 +21,8 @@ pub(super) const IMAGE: Image = fatbin!("ssd_fwd_pass_state");
 
 /// A state pass's tensors as addresses: x, b, the initial state (0: zeros), the chunk states,
 /// and dt_out and da_cumsum (read, or written by stage 1 when the step sizes are raw); for
-/// sequences packed along L of the one row, their count and the address of their first chunks
-/// (i32 `[S+1]`), each sequence then running from its own initial state.
+/// sequences packed along L of the one row, their tables, each sequence then running from its
+/// own initial state.
 pub(super) struct PassPtrs {
     pub x: u64,
     pub b: u64,
@@ -30,7 +30,7 @@ pub(super) struct PassPtrs {
     pub states: u64,
     pub dt: u64,
     pub da: u64,
-    pub packed: Option<(usize, u64)>,
+    pub packed: Option<PackedPtrs>,
 }
 
 /// Raw step sizes for stage 1 (`steps.out` = [dt_out; da_cumsum]), of dtype `dtype`.
@@ -56,14 +56,14 @@ pub(super) fn state_pass(
 ) -> Result<()> {
     let name = "fwd_pass_state";
     let nchunks = d.nchunks(chunk);
-    let mut kp = SsdParams::new(d, chunk)?;
+    let mut kp = SsdParams::new(d, chunk)?.packed(p.packed)?;
     let (t, s) = (ty(name, vt)?, ty(name, st)?);
     // The scan's program rows: one per (batch, head), or per (sequence, head) when packed.
     let rows = match p.packed {
-        Some((seqs, firsts)) => {
-            (kp.seqs, kp.seq_chunks) = (i(seqs)?, firsts);
-            SsdDims { batch: seqs, ..*d }
-        }
+        Some(q) => SsdDims {
+            batch: q.seqs,
+            ..*d
+        },
         None => *d,
     };
     let bh = rows.batch * rows.nheads;
@@ -96,7 +96,11 @@ pub(super) fn state_pass(
     launch_chunk_state(d, chunk, &tile, (vt, st), p, fused.as_ref(), stream)?;
     let last_p = before_last()?;
     let deep = plan::deep_scan(&rows, sms);
-    let f = function(stream, IMAGE, &instances::state_scan(deep, s))?;
+    let f = function(
+        stream,
+        IMAGE,
+        &instances::state_scan(deep, p.packed.is_some(), s),
+    )?;
     if p.packed.is_none() {
         // Packed, a program's chunks are its sequence's: the scan releases compute_out at its end.
         kp.release_at = i(plan::scan_release_at(deep, nchunks))?;
@@ -145,7 +149,7 @@ pub(super) fn launch_chunk_state(
     stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let name = "fwd_pass_state";
-    let kp = SsdParams::new(d, chunk)?;
+    let kp = SsdParams::new(d, chunk)?.packed(p.packed)?;
     let (t, s) = (ty(name, vt)?, ty(name, st)?);
     let max = max_smem(stream)?;
     let programs = tile.programs(d, chunk);
@@ -188,6 +192,6 @@ pub(super) fn launch_chunk_state(
             vec![&p.x, &p.b, &p.dt, &p.da, &p.states, &kp],
         ),
     };
-    let f = function(stream, IMAGE, &tile.kernel(form, t, s))?;
+    let f = function(stream, IMAGE, &tile.kernel(form, p.packed.is_some(), t, s))?;
     launch(stream, &f, launch_cfg, &args)
 }

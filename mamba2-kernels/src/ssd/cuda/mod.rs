@@ -28,7 +28,7 @@ use self::bwd_compute_out::{launch_bwd_out, launch_bwd_round, BwdOutPtrs};
 use self::bwd_pass_state::{bwd_state_pass, BwdStatePtrs, TOKENS};
 use self::compute_out::{out_pass, After, OutPtrs};
 use self::fwd_pass_state::{chunk_state_tile, launch_chunk_state, state_pass, PassPtrs, RawSteps};
-use self::params::{SsdParams, SsdSteps};
+use self::params::{PackedPtrs, SsdParams, SsdSteps};
 use crate::check::SsdDims;
 use crate::cuda::{alloc, opt_ptr, ptr, rows_ptr, scratch, ty, written, zeroed, Guards, Held};
 use crate::dt::DtRule;
@@ -152,6 +152,7 @@ pub(super) fn compute_out(op: &OutPass) -> Result<(CudaStorage, Shape)> {
         d: opt_ptr(name, "D", &dskip, &stream, &mut guards)?,
         z: opt_ptr(name, "z", &z, &stream, &mut guards)?,
         y: ptr(name, "y", &out, &Layout::contiguous(total), &stream)?.0,
+        chunk_starts: 0,
     };
     let d_per_channel = op.d.is_some_and(|t| t.rank() == 2);
     let types = (x_s.dtype(), st_s.dtype());
@@ -187,9 +188,9 @@ pub(crate) struct Fused<'a> {
     /// Keep the chunk states for the backward: the call then runs at the backward's state chunk
     /// ([`state_chunk`]) and allocates them apart from the scratch buffer.
     pub keep: bool,
-    /// Sequences packed along L of the one row, by their first chunks (`init` and the final
-    /// states `[S,H,P,N]`).
-    pub packed: Option<&'a Seqs>,
+    /// Sequences packed along L of the one row (`init` and the final states `[S,H,P,N]`): each
+    /// sequence's first chunk and each chunk's first token (`dims.chunks` chunks).
+    pub packed: Option<(&'a Seqs, &'a Seqs)>,
 }
 
 /// The chunk states an `ssd` call kept for its backward, `[B,H,C+1,P,N]` at `chunk` tokens.
@@ -233,11 +234,10 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
         op.z.map(Held::new),
         op.init.map(Held::new),
     );
-    let firsts = match op.packed {
-        Some(seqs) => match &seqs.device {
-            Some(t) => Some((seqs.count(), Held::new(t))),
-            None => bail!("{name}: the packed sequences' first chunks are not on the device"),
-        },
+    let tables = match op.packed {
+        Some((firsts, starts)) => {
+            Some((firsts.count(), table(name, firsts)?, table(name, starts)?))
+        }
         None => None,
     };
     let dev = &x_s.device;
@@ -292,8 +292,12 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
         ),
         dtype: dt_s.dtype(),
     };
-    let packed = match &firsts {
-        Some((n, held)) => Some((*n, held.ptr(name, "first chunks", &stream, &mut guards)?)),
+    let packed = match &tables {
+        Some((seqs, firsts, starts)) => Some(PackedPtrs {
+            seqs: *seqs,
+            firsts: firsts.ptr(name, "first chunks", &stream, &mut guards)?,
+            starts: starts.ptr(name, "chunk starts", &stream, &mut guards)?,
+        }),
         None => None,
     };
     let p = PassPtrs {
@@ -305,7 +309,7 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
         da: steps + 4 * bhl as u64,
         packed,
     };
-    let rows = packed.map_or(d.batch, |(n, _)| n);
+    let rows = packed.map_or(d.batch, |q| q.seqs);
     let pn = rows * d.nheads * d.headdim * d.dstate;
     let total = d.batch * d.seqlen * d.nheads * d.headdim;
     let mut outs = None;
@@ -331,6 +335,7 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
         d: opt_ptr(name, "D", &dskip, &stream, &mut guards)?,
         z: opt_ptr(name, "z", &z, &stream, &mut guards)?,
         y: ptr(name, "y", &y, &Layout::contiguous(total), &stream)?.0,
+        chunk_starts: packed.map_or(0, |q| q.starts),
     };
     let d_per_channel = op.d.is_some_and(|t| t.rank() == 2);
     let after = After::StatePass { kept: op.keep };
@@ -343,6 +348,14 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
     }
     let kept = kept.map(|states| KeptStates { states, chunk });
     Ok((y, last, kept))
+}
+
+/// A packed call's chunk table, held on the device.
+fn table<'s>(op: &str, seqs: &'s Seqs) -> Result<Held<'s>> {
+    match &seqs.device {
+        Some(t) => Ok(Held::new(t)),
+        None => bail!("{op}: the packed sequences' chunk tables are not on the device"),
+    }
 }
 
 /// The chunk of the backward's state passes and chunk_state_mma's tile for their chunk terms of

@@ -8,6 +8,16 @@ use crate::check::SsdDims;
 use crate::cuda::{i, m2_layout};
 use crate::dt::DtRule;
 
+/// Sequences packed along L of the one row as the kernels take them: their count, and the
+/// addresses of their first chunks (i32 `[seqs + 1]`) and of every chunk's first token (i32
+/// `[nchunks + 1]`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PackedPtrs {
+    pub seqs: usize,
+    pub firsts: u64,
+    pub starts: u64,
+}
+
 /// `m2::SsdParams`: the dimensions and the launch's choices, taken by every SSD kernel.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -35,11 +45,13 @@ pub(super) struct SsdParams {
     pub seqs: i32,
     /// Its `[seqs + 1]` first chunks of the sequences (i32 on the device), 0 for none.
     pub seq_chunks: u64,
+    /// Every chunk's first token, `[nchunks + 1]` (i32 on the device), 0 for chunks of `chunk`.
+    pub chunk_starts: u64,
 }
-m2_layout!(SsdParams, 64, {
+m2_layout!(SsdParams, 72, {
     batch: 0, seqlen: 4, nheads: 8, headdim: 12, ngroups: 16, dstate: 20, chunk: 24,
     nchunks: 28, heads_per_block: 32, d_per_channel: 36, early: 40, discard_states: 44,
-    release_at: 48, seqs: 52, seq_chunks: 56,
+    release_at: 48, seqs: 52, seq_chunks: 56, chunk_starts: 64,
 });
 // SAFETY: plain old data with the C struct's layout (asserted above).
 unsafe impl DeviceRepr for SsdParams {}
@@ -64,7 +76,16 @@ impl SsdParams {
             release_at: i32::MAX,
             seqs: 0,
             seq_chunks: 0,
+            chunk_starts: 0,
         })
+    }
+
+    /// The packed sequences' tables of `p`, if any.
+    pub fn packed(mut self, p: Option<PackedPtrs>) -> Result<Self> {
+        if let Some(p) = p {
+            (self.seqs, self.seq_chunks, self.chunk_starts) = (i(p.seqs)?, p.firsts, p.starts);
+        }
+        Ok(self)
     }
 
     /// The dimensions stage 1 reads (chunk_cumsum on its own: dt `[B,L,H]`).
@@ -76,6 +97,7 @@ impl SsdParams {
             headdim: 1,
             ngroups: 1,
             dstate: 1,
+            chunks: None,
         };
         Self::new(&dims, chunk)
     }
