@@ -82,18 +82,16 @@ fn opts<'a>(s: &'a SsdCase, z: Option<&'a Tensor>, init: Option<&'a Tensor>) -> 
     }
 }
 
-#[test]
-fn ssd_packed_gives_each_sequence_what_it_gets_alone() -> Result<()> {
-    // Boundaries mid-chunk (chunk 16), sequences of one token, one longer than several chunks.
-    let lens = [5, 1, 40, 16, 1, 23];
-    let cu = offsets(&lens);
-    let s = ssd_case(cu[lens.len()], lens.len(), 1)?;
-    let packed = opts(&s, Some(&s.z), Some(&s.init));
-    let (y, states) = ssd_packed(&s.x, &s.dt, &s.a, &s.b, &s.c, &cu, &packed)?;
+/// `ssd_packed` over `cu` (from each sequence's row of `s.init` when `init`, else zeros), checked
+/// bit for bit against each sequence run alone; returns the packed y.
+fn each_sequence_alone(s: &SsdCase, cu: &[usize], init: bool) -> Result<Tensor> {
+    let packed = opts(s, Some(&s.z), init.then_some(&s.init));
+    let (y, states) = ssd_packed(&s.x, &s.dt, &s.a, &s.b, &s.c, cu, &packed)?;
     for (i, w) in cu.windows(2).enumerate() {
         let piece = |t: &Tensor| t.narrow(1, w[0], w[1] - w[0]);
-        let (z, init) = (piece(&s.z)?, s.init.narrow(0, i, 1)?);
-        let one = opts(&s, Some(&z), Some(&init));
+        let z = piece(&s.z)?;
+        let one_init = init.then(|| s.init.narrow(0, i, 1)).transpose()?;
+        let one = opts(s, Some(&z), one_init.as_ref());
         let (y1, s1) = ssd(
             &piece(&s.x)?,
             &piece(&s.dt)?,
@@ -103,12 +101,19 @@ fn ssd_packed_gives_each_sequence_what_it_gets_alone() -> Result<()> {
             &one,
         )?;
         assert_eq!(bits(&piece(&y)?)?, bits(&y1)?, "sequence {i}: y");
-        assert_eq!(
-            bits(&states.narrow(0, i, 1)?)?,
-            bits(&s1)?,
-            "sequence {i}: state"
-        );
+        let state = states.narrow(0, i, 1)?;
+        assert_eq!(bits(&state)?, bits(&s1)?, "sequence {i}: state");
     }
+    Ok(y)
+}
+
+#[test]
+fn ssd_packed_gives_each_sequence_what_it_gets_alone() -> Result<()> {
+    // Boundaries mid-chunk (chunk 16), sequences of one token, one longer than several chunks.
+    let lens = [5, 1, 40, 16, 1, 23];
+    let cu = offsets(&lens);
+    let s = ssd_case(cu[lens.len()], lens.len(), 1)?;
+    let y = each_sequence_alone(&s, &cu, true)?;
     // And the packed result is not the unpacked one: the states do not flow across boundaries.
     let (whole, _) = ssd(&s.x, &s.dt, &s.a, &s.b, &s.c, &opts(&s, Some(&s.z), None))?;
     assert!(
@@ -117,35 +122,12 @@ fn ssd_packed_gives_each_sequence_what_it_gets_alone() -> Result<()> {
             &whole.narrow(1, 5, 1)?.to_dtype(DType::F64)?
         )? > 1e-3
     );
-    Ok(())
-}
-
-#[test]
-fn ssd_packed_of_whole_and_partial_chunks_is_each_sequence_alone() -> Result<()> {
-    // Sequences of whole chunks (16 tokens) and parts of one: the one call restarts at each.
+    // Sequences of whole chunks and parts of one, from zero states and from their own.
     let lens = [16, 48, 32, 16, 7];
     let cu = offsets(&lens);
     let s = ssd_case(cu[lens.len()], lens.len(), 6)?;
-    for init in [None, Some(&s.init)] {
-        let packed = opts(&s, Some(&s.z), init);
-        let (y, states) = ssd_packed(&s.x, &s.dt, &s.a, &s.b, &s.c, &cu, &packed)?;
-        for (i, w) in cu.windows(2).enumerate() {
-            let piece = |t: &Tensor| t.narrow(1, w[0], w[1] - w[0]);
-            let z = piece(&s.z)?;
-            let one_init = init.map(|t| t.narrow(0, i, 1)).transpose()?;
-            let one = opts(&s, Some(&z), one_init.as_ref());
-            let (y1, s1) = ssd(
-                &piece(&s.x)?,
-                &piece(&s.dt)?,
-                &s.a,
-                &piece(&s.b)?,
-                &piece(&s.c)?,
-                &one,
-            )?;
-            assert_eq!(bits(&piece(&y)?)?, bits(&y1)?, "sequence {i}: y");
-            let state = states.narrow(0, i, 1)?;
-            assert_eq!(bits(&state)?, bits(&s1)?, "sequence {i}: state");
-        }
+    for init in [false, true] {
+        each_sequence_alone(&s, &cu, init)?;
     }
     Ok(())
 }
