@@ -309,6 +309,26 @@ fn check_split(op: &str, split: &[usize], dim: usize) -> Result<()> {
     Ok(())
 }
 
+/// Initial states `[rows, D, K]` named `name` (shape written `doc`): checked against x and
+/// contiguous, zeros when `None`.
+fn states_of(
+    op: &str,
+    (name, doc): (&str, &str),
+    x: &Tensor,
+    states: Option<&Tensor>,
+    [rows, dim, width]: [usize; 3],
+) -> Result<Tensor> {
+    match states {
+        Some(s) => {
+            check::device(op, name, s, x)?;
+            check::shape(op, name, s, &[rows, dim, width], doc)?;
+            check::same_dtype(op, name, s, x)?;
+            s.contiguous()
+        }
+        None => Tensor::zeros((rows, dim, width), x.dtype(), x.device()),
+    }
+}
+
 /// The conv's dims and its initial state `[B,D,K]` (checked against x, contiguous; zeros when
 /// `None`).
 fn initial_state_of(
@@ -317,15 +337,8 @@ fn initial_state_of(
     initial_state: Option<&Tensor>,
     [batch, seqlen, dim, width]: [usize; 4],
 ) -> Result<(Tensor, ConvDims)> {
-    let state = match initial_state {
-        Some(s) => {
-            check::device(op, "initial_state", s, x)?;
-            check::shape(op, "initial_state", s, &[batch, dim, width], "[B, D, K]")?;
-            check::same_dtype(op, "initial_state", s, x)?;
-            s.contiguous()?
-        }
-        None => Tensor::zeros((batch, dim, width), x.dtype(), x.device())?,
-    };
+    let named = ("initial_state", "[B, D, K]");
+    let state = states_of(op, named, x, initial_state, [batch, dim, width])?;
     let dims = ConvDims {
         batch,
         seqlen,
@@ -424,22 +437,26 @@ pub fn causal_conv1d_split(
     Ok((ys, new_state))
 }
 
-/// [`causal_conv1d_split`] over the sequences packed along L of `x [1,T,D]` (`seqs`, checked) as
-/// one call that records no gradient, each sequence from its row of `states [S,D,K]` (contiguous,
-/// x's dtype and device): returns the pieces `[1,T,split[i]]` and the new states `[S,D,K]`.
+/// [`causal_conv1d_split`] over the sequences packed along L of `x [1,T,D]` (`cu_seqlens`,
+/// checked) as one call that records no gradient, each sequence from its row of
+/// `initial_states [S,D,K]` (zeros if `None`): returns the pieces `[1,T,split[i]]` and the new
+/// states `[S,D,K]`.
 pub(crate) fn split_packed_unrecorded(
     x: &Tensor,
     weight: &Tensor,
-    states: &Tensor,
+    initial_states: Option<&Tensor>,
     opts: &ConvOptions,
     split: &[usize],
-    seqs: Seqs,
+    cu_seqlens: &[usize],
 ) -> Result<(Vec<Tensor>, Tensor)> {
     let op = "causal_conv1d_packed";
     let [_, total, dim] = check::rank::<3>(op, "x", x, "[1, T, D]")?;
     let width = check_params(op, x, weight, opts, dim)?;
     check_split(op, split, dim)?;
+    let seqs = Seqs::new(cu_seqlens, x.device())?;
     let count = seqs.count();
+    let named = ("initial_states", "[S, D, K]");
+    let states = states_of(op, named, x, initial_states, [count, dim, width])?;
     let conv = CausalConv1d {
         bias: opts.bias.map(|b| b.contiguous()).transpose()?,
         silu: opts.silu,
@@ -454,7 +471,7 @@ pub(crate) fn split_packed_unrecorded(
         state_out: Slot::default(),
         packed: Some(seqs),
     };
-    let first = check::rows_view(x)?.apply_op3_no_bwd(&weight.contiguous()?, states, &conv)?;
+    let first = check::rows_view(x)?.apply_op3_no_bwd(&weight.contiguous()?, &states, &conv)?;
     let mut ys = vec![first];
     for (slot, &w) in conv.rest.into_iter().zip(&split[1..]) {
         ys.push(slot.take(op, "output piece", (1, total, w))?);

@@ -8,9 +8,8 @@
 
 use candle_core::{bail, Result, Tensor};
 
-use super::{causal_conv1d_split, check_params, split_packed_unrecorded, ConvOptions};
+use super::{causal_conv1d_split, split_packed_unrecorded, ConvOptions};
 use crate::check;
-use crate::seqs::Seqs;
 
 /// [`causal_conv1d_split`] over the sequences packed along L of `x [1,T,D]`, split at
 /// `cu_seqlens` (`[0, l_0, l_0 + l_1, …, T]`, every sequence at least one token), from
@@ -55,25 +54,7 @@ pub fn causal_conv1d_split_packed(
     }
     let tracked = x.track_op() || weight.track_op() || opts.bias.is_some_and(Tensor::track_op);
     if !tracked {
-        let dim = x.dim(2)?;
-        let width = check_params(op, x, weight, opts, dim)?;
-        let states = match initial_states {
-            Some(init) => {
-                check::device(op, "initial_states", init, x)?;
-                check::shape(
-                    op,
-                    "initial_states",
-                    init,
-                    &[count, dim, width],
-                    "[S, D, K]",
-                )?;
-                check::same_dtype(op, "initial_states", init, x)?;
-                init.contiguous()?
-            }
-            None => Tensor::zeros((count, dim, width), x.dtype(), x.device())?,
-        };
-        let seqs = Seqs::new(cu_seqlens, x.device())?;
-        return split_packed_unrecorded(x, weight, &states, opts, split, seqs);
+        return split_packed_unrecorded(x, weight, initial_states, opts, split, cu_seqlens);
     }
     let mut pieces: Vec<Vec<Tensor>> = vec![Vec::with_capacity(count); split.len()];
     let mut states = Vec::with_capacity(count);

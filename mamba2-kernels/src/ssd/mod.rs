@@ -116,6 +116,7 @@ struct Ssd {
 #[derive(Debug)]
 struct Packed {
     cu: Vec<usize>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     firsts: Seqs,
     starts: Seqs,
 }
@@ -239,25 +240,22 @@ impl Ssd {
                 let state = dims.nheads * dims.headdim * dims.dstate;
                 let (mut y, mut last) = (Vec::with_capacity(x.len()), Vec::new());
                 for (s, w) in packed.cu.windows(2).enumerate() {
-                    let part = |v: &'_ [T], width: usize| -> Vec<T> {
-                        v[w[0] * width..w[1] * width].to_vec()
-                    };
+                    let (lo, hi) = (w[0], w[1]);
                     let one = SsdDims {
                         batch: 1,
-                        seqlen: w[1] - w[0],
+                        seqlen: hi - lo,
                         chunks: None,
                         ..dims
                     };
-                    let (xs, bs, cs, dts) = (
-                        part(&x, hp),
-                        part(&b, gn),
-                        part(&c, gn),
-                        part(&dt, dims.nheads),
-                    );
-                    let zs = z.as_deref().map(|z| part(z, hp));
+                    let inputs = [
+                        &x[lo * hp..hi * hp],
+                        &b[lo * gn..hi * gn],
+                        &c[lo * gn..hi * gn],
+                        &dt[lo * dims.nheads..hi * dims.nheads],
+                    ];
+                    let zs = z.as_deref().map(|z| &z[lo * hp..hi * hp]);
                     let init = init.as_deref().map(|i| &i[s * state..(s + 1) * state]);
-                    let inputs = [&xs[..], &bs, &cs, &dts];
-                    let (ys, ls) = self.cpu_run(inputs, zs.as_deref(), init, &params, one);
+                    let (ys, ls) = self.cpu_run(inputs, zs, init, &params, one);
                     y.extend(ys);
                     last.extend(ls);
                 }
@@ -446,9 +444,9 @@ fn forward(
 }
 
 /// [`ssd`] of the sequences packed along L of `x [1,T,H,P]` (`cu_seqlens`, checked) as one call
-/// that records no gradient: each from its row of `opts.initial_state` `[S,H,P,N]` (checked by the
-/// caller; zeros if `None`) to its row of the final states, in chunks of `opts.chunk_size` from
-/// its own start. Returns `(y [1,T,H,P], final states [S,H,P,N])`.
+/// that records no gradient: each from its row of `opts.initial_state` `[S,H,P,N]` (zeros if
+/// `None`) to its row of the final states, in chunks of `opts.chunk_size` from its own start.
+/// Returns `(y [1,T,H,P], final states [S,H,P,N])`.
 pub(crate) fn forward_packed(
     (x, dt, a, b, c): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
     opts: &SsdOptions,
@@ -459,8 +457,15 @@ pub(crate) fn forward_packed(
         ..*opts
     };
     let mut dims = checked((x, dt, a, b, c), &unbatched)?;
+    let count = cu_seqlens.len() - 1;
+    if let Some(init) = opts.initial_state {
+        SsdDims {
+            batch: count,
+            ..dims
+        }
+        .state("ssd_packed", "initial_state", init, x)?;
+    }
     let packed = Packed::new(cu_seqlens, opts.chunk_size, x.device())?;
-    let count = packed.firsts.count();
     dims.chunks = Some(packed.starts.count());
     let op = Ssd::new((dt, a), opts, dims, false, Some(packed))?;
     let y = x

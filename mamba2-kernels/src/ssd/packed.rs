@@ -18,7 +18,7 @@
 use candle_core::{bail, Result, Tensor};
 
 use super::{forward_packed, ssd, SsdOptions};
-use crate::check::{self, SsdDims};
+use crate::check;
 
 /// [`ssd`] over the sequences packed along L of `x [1,T,H,P]` (see the module doc), split at
 /// `cu_seqlens` (`[0, l_0, l_0 + l_1, …, T]`, every sequence at least one token).
@@ -78,14 +78,6 @@ pub fn ssd_packed(
         .into_iter()
         .chain(optional.into_iter().flatten());
     if !inputs.into_iter().any(Tensor::track_op) {
-        if let Some(init) = opts.initial_state {
-            let dims = SsdDims::values(op, x, b)?;
-            SsdDims {
-                batch: count,
-                ..dims
-            }
-            .state(op, "initial_state", init, x)?;
-        }
         return forward_packed((x, dt, a, b, c), opts, cu_seqlens);
     }
     let mut ys = Vec::with_capacity(count);
