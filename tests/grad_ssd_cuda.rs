@@ -348,6 +348,15 @@ fn bf16_gradients_match_the_cpu() -> Result<()> {
             state_dtype: DType::BF16,
             ..BASE
         },
+        // N = 256 (four warpgroups on sm_90a) with f32 states: four heads adding into one
+        // group's dB and dC over two state chunks of 128 tokens and part of a third.
+        Case {
+            seqlen: 333,
+            ngroups: 1,
+            dstate: 256,
+            d: 2,
+            ..BASE
+        },
         // Eight heads adding into one group's dB and dC, over 264 chunks of 64.
         Case {
             batch: 1,

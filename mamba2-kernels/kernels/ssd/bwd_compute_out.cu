@@ -49,6 +49,16 @@ struct Grads {
   float* dd;
 };
 
+// Programs per SM the kernel's registers are bounded for: three for the wgmma form of bf16
+// values at N = 64 (sm_90a), whose tiles (70 KB) leave room for three, else two.
+template <typename T> __host__ __device__ constexpr int min_programs(int n) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  return std::is_same<T, __nv_bfloat16>::value && n == 64 ? 3 : 2;
+#else
+  return 2;
+#endif
+}
+
 // Where element (r, c) of an mma.sync-form tile sits: rows of `ld` elements.
 struct Padded {
   int ld;
@@ -312,9 +322,29 @@ __device__ __forceinline__ void row_scales(const Sums& s, float g_last, int m0, 
   }
 }
 
-// dB (or, `ctile`, dC) at rows m0.. and the columns from n1: acc + scale·st, where for dB acc =
-// Aᵀ·C, st = X·dH', scale = r; for dC acc = A·B, st = dY·H, scale = exp2(d) and st·c is added to
-// yc (dy·(H C) per token).
+// Tile j of dB (or, `ctile`, dC) at rows m0.. and the columns from n1: acc + scale·st, where for
+// dB acc = Aᵀ·C, st = X·dH', scale = r; for dC acc = A·B, st = dY·H, scale = exp2(d) and st·c is
+// added to yc (dy·(H C) per token).
+template <int NJ, typename T, typename Idx>
+__device__ __forceinline__ void grad_tile(float (&v)[4], const float (&acc)[NJ][4],
+                                          const float (&st)[NJ][4], const float (&scale)[2], int j,
+                                          int m0, int n1, const T* ctile, Idx at, float (&yc)[2],
+                                          int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int e = 2 * half;
+    if (ctile) {
+      const int t = m0 + m2::acc_row(lane, e), n = n1 + 8 * j + m2::acc_col(lane, 0);
+      const float2 cv = m2::load2(ctile + at(t, n));
+      yc[half] += st[j][e] * cv.x + st[j][e + 1] * cv.y;
+    }
+    v[e] = acc[j][e] + scale[half] * st[j][e];
+    v[e + 1] = acc[j][e + 1] + scale[half] * st[j][e + 1];
+  }
+}
+
+// Every tile of dB or dC (grad_tile) added into `out` (rows `stride` apart), rows from tc and
+// columns from N left out.
 template <int NJ, typename T, typename Idx>
 __device__ __forceinline__ void grad_cols(const float (&acc)[NJ][4], const float (&st)[NJ][4],
                                           const float (&scale)[2], int m0, int n1, int tc, int N,
@@ -323,18 +353,35 @@ __device__ __forceinline__ void grad_cols(const float (&acc)[NJ][4], const float
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
     float v[4];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int e = 2 * half;
-      if (ctile) {
-        const int t = m0 + m2::acc_row(lane, e), n = n1 + 8 * j + m2::acc_col(lane, 0);
-        const float2 cv = m2::load2(ctile + at(t, n));
-        yc[half] += st[j][e] * cv.x + st[j][e + 1] * cv.y;
-      }
-      v[e] = acc[j][e] + scale[half] * st[j][e];
-      v[e + 1] = acc[j][e + 1] + scale[half] * st[j][e + 1];
-    }
+    grad_tile(v, acc, st, scale, j, m0, n1, ctile, at, yc, lane);
     m2::add_tile(out, stride, v, m0, n1 + 8 * j, tc, N, shared, lane);
+  }
+}
+
+// The same where every tile's columns lie inside N and each lane's four start 16-byte aligned (N
+// compiled in, a multiple of 64): the lane's quad of tile j goes to `row` + 8·j, `row` its row
+// of the output from column n1 + quad_col, one 16-byte store or atomic add, none where that row
+// lies past the sequence (`row_in`). No bounds or alignment tests per tile, and one row pointer
+// per output instead of one address per tile.
+template <int NJ, typename T, typename Idx>
+__device__ __forceinline__ void grad_quads(const float (&acc)[NJ][4], const float (&st)[NJ][4],
+                                           const float (&scale)[2], int m0, int n1,
+                                           const T* ctile, Idx at, float (&yc)[2], float* row,
+                                           bool row_in, bool shared, int lane) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    float v[4];
+    grad_tile(v, acc, st, scale, j, m0, n1, ctile, at, yc, lane);
+    const float4 f = m2::swap_quad(v, lane);
+    float4* p = reinterpret_cast<float4*>(row + 8 * j);
+    if (!row_in) continue;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (shared) {
+      atomicAdd(p, f);
+      continue;
+    }
+#endif
+    *p = f;
   }
 }
 
@@ -753,6 +800,12 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     float yc[2] = {0.f, 0.f}, rs[2], eg[2];
     row_scales(sums, g_last, m0, lane, rs, eg);
     const bool shared = at.hpg > 1;
+    // This lane's row of dB and dC (after the pair swap) from column cw of the first block.
+    const int qr = m0 + m2::quad_row(lane);
+    const bool q_in = qr < at.tc;
+    const size_t q_at = at.bo + static_cast<size_t>(qr) * at.bstride + cw + m2::quad_col(lane);
+    float* db_row = out.db + q_at;
+    float* dc_row = out.dc + q_at;
 #pragma unroll 1
     for (int nb = 0; nb < NB; ++nb) {
       const int n1 = 64 * nb + cw;
@@ -761,14 +814,14 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       product<4, 1, 1, TOKENS / 16>(acc, aa, 0, 0, ca, 0, n1);
       product<4, 0, 1, P / 16>(st, xa, 0, 0, dha, 0, n1);
       products_done(acc, st);
-      grad_cols(acc, st, rs, m0, n1, at.tc, N, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
-                out.db + at.bo, at.bstride, shared, lane);
+      grad_quads(acc, st, rs, m0, n1, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
+                 db_row + 64 * nb, q_in, shared, lane);
       m2::wgmma_fence();
       product<4, 0, 1, TOKENS / 16>(acc, aa, 0, 0, ba, 0, n1);
       product<4, 0, 1, P / 16>(st, dya, 0, 0, ha, 0, n1);
       products_done(acc, st);
-      grad_cols(acc, st, eg, m0, n1, at.tc, N, static_cast<const bf16*>(cs), Swizzled{}, yc,
-                out.dc + at.bo, at.bstride, shared, lane);
+      grad_quads(acc, st, eg, m0, n1, static_cast<const bf16*>(cs), Swizzled{}, yc,
+                 dc_row + 64 * nb, q_in, shared, lane);
     }
     add_rows(sums.dyhc, yc, m0, cw, lane);
   }
@@ -825,7 +878,7 @@ __device__ void bwd_compute_out_round(const float* __restrict__ db, const float*
     bwd_compute_out_round<T>(db, dc, db_out, dc_out, len);                                      \
   }
 #define BWD_COMPUTE_OUT_FIXED(NAME, T, S, PF, NF)                                               \
-  extern "C" __global__ void __launch_bounds__(256, 2)                                             \
+  extern "C" __global__ void __launch_bounds__(256, min_programs<T>(NF))                           \
       NAME(const T* x, const T* dy, const T* b, const T* c, const float* dt_out, const float* da, \
            const S* states, const S* dstates, const float* dskip, const float* a, void* dx,       \
            float* db, float* dc, float* ddt, float* da_part, float* dd, m2::SsdParams d) {       \

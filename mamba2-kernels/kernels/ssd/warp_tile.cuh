@@ -78,6 +78,21 @@ __device__ __forceinline__ void zero(float (&acc)[NJ][4]) {
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 }
 
+// Lane l's place after the pair swap of an m16n8 accumulator tile (`swap_quad`): four
+// consecutive columns of one row, row quad_row(l) and columns from quad_col(l) of the tile.
+__device__ __forceinline__ int quad_row(int lane) { return (lane >> 2) + ((lane & 1) << 3); }
+__device__ __forceinline__ int quad_col(int lane) { return ((lane & 3) << 1) - ((lane & 1) << 1); }
+
+// Lane pairs swap halves of their accumulator values v, so that each lane holds the four
+// consecutive columns of one row (quad_row, quad_col) that a 16-byte access writes at once (as
+// add_tile does).
+__device__ __forceinline__ float4 swap_quad(const float (&v)[4], int lane) {
+  const bool odd = lane & 1;
+  const float s0 = odd ? v[0] : v[2], s1 = odd ? v[1] : v[3];
+  const float q0 = __shfl_xor_sync(0xffffffffu, s0, 1), q1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+  return odd ? make_float4(q0, q1, v[2], v[3]) : make_float4(v[0], v[1], q0, q1);
+}
+
 // Adds (or, `!accumulate`, stores) one m16n8 accumulator tile at rows r0, r0 + 8 (of `ld`
 // floats) from column c0 into f32 memory at `out`, rows from `rows` and columns from `cols` left
 // out: lane pairs swap halves so that each lane holds four consecutive columns of one row, one

@@ -165,6 +165,8 @@ struct Info {
     l2: usize,
     /// Programmatic dependent launch and tensor-map copies (sm_90+).
     sm90: bool,
+    /// The fatbins' sm_90a images run here (compute capability 9.0; later devices JIT the PTX).
+    sm90a: bool,
 }
 
 /// The stream's device's [`Info`], cached (the last one asked for on each thread without a lock).
@@ -189,6 +191,8 @@ fn info(stream: &Arc<CudaStream>) -> Result<Info> {
                 max_smem: device_max_smem(ctx)?,
                 l2: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
                 sm90: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9,
+                sm90a: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? == 9
+                    && attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? == 0,
             };
             lock()?.info.insert(key, v);
             v
@@ -208,6 +212,11 @@ pub(crate) fn l2_bytes(stream: &Arc<CudaStream>) -> Result<usize> {
 
 pub(crate) fn sm_count(stream: &Arc<CudaStream>) -> Result<usize> {
     Ok(info(stream)?.sms)
+}
+
+/// Whether the kernels run their sm_90a machine code (wgmma) on the stream's device.
+pub(crate) fn runs_sm90a(stream: &Arc<CudaStream>) -> Result<bool> {
+    Ok(info(stream)?.sm90a)
 }
 
 /// Whether the SSD kernels copy their tiles by tensor map: on sm_90+, unless `MAMBA2_NO_TMA=1`

@@ -13,7 +13,7 @@ use candle_core::{bail, Result};
 
 use super::bwd_pass_state::{pad, TOKENS};
 use super::params::SsdParams;
-use crate::cuda::{cfg, fatbin, function, launch, max_smem, Image, Ty};
+use crate::cuda::{cfg, fatbin, function, launch, max_smem, runs_sm90a, Image, Ty};
 use crate::instances;
 
 const IMAGE: Image = fatbin!("ssd_bwd_compute_out");
@@ -46,15 +46,20 @@ pub(super) struct BwdOutPtrs {
 /// Shared memory of one program: x, dy, B, C, H and dH' padded to 64 columns, W and A, the
 /// per-token sums (col in four parts, three more in two), D's gradient (four parts) and value
 /// per channel, a value per warp. The mma.sync form pads each tile row by 8 values and aligns to
-/// 128 bytes, the wgmma form (sm_90a, the same kernel names) pads nothing and aligns to 1024: the
-/// larger of the two.
-pub(super) fn smem(p: &SsdParams, t: Ty) -> usize {
+/// 128 bytes, the wgmma form pads nothing and aligns to 1024 (`wgmma`: the kernel runs that form,
+/// bf16 with P and N compiled in on sm_90a, where three programs of N = 64 fit an SM).
+fn smem(p: &SsdParams, t: Ty, wgmma: bool) -> usize {
     let (pp, np) = (pad(p.headdim), pad(p.dstate));
     let sums = (12 * TOKENS + 5 * pp + WARPS) * 4;
     let padded = 2 * TOKENS * (pp + 8) + 2 * TOKENS * (np + 8) + 2 * pp * (np + 8);
     let wa_padded = 2 * TOKENS * (TOKENS + 8);
     let swizzled = 2 * TOKENS * pp + 2 * TOKENS * np + 2 * pp * np + 2 * TOKENS * TOKENS;
-    ((padded + wa_padded) * t.bytes() + 128).max(swizzled * t.bytes() + 1024) + sums
+    let swizzled = swizzled * t.bytes() + 1024;
+    if wgmma {
+        swizzled + sums
+    } else {
+        ((padded + wa_padded) * t.bytes() + 128).max(swizzled) + sums
+    }
 }
 
 pub(super) fn launch_bwd_out(
@@ -64,7 +69,12 @@ pub(super) fn launch_bwd_out(
     stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let name = "ssd backward";
-    let bytes = smem(p, t);
+    let shape = (p.headdim as usize, p.dstate as usize);
+    let fixed = (instances::MMA_VALUES.contains(&t)
+        && instances::BWD_COMPUTE_OUT_FIXED.contains(&shape))
+    .then_some(shape);
+    let wgmma = t == Ty::Bf16 && fixed.is_some() && runs_sm90a(stream)?;
+    let bytes = smem(p, t, wgmma);
     let max = max_smem(stream)?;
     if bytes > max {
         bail!(
@@ -75,10 +85,6 @@ pub(super) fn launch_bwd_out(
             t.name()
         )
     }
-    let shape = (p.headdim as usize, p.dstate as usize);
-    let fixed = (instances::MMA_VALUES.contains(&t)
-        && instances::BWD_COMPUTE_OUT_FIXED.contains(&shape))
-    .then_some(shape);
     let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s, fixed))?;
     let programs = (p.seqlen as usize).div_ceil(TOKENS) * p.batch as usize * p.nheads as usize;
     let grid = [programs, 1, 1];
