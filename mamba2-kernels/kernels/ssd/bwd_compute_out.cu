@@ -826,7 +826,23 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     add_rows(sums.dyhc, yc, m0, cw, lane);
   }
 
-  finish(tile_dot(hs, dhs, NB * P, 64, 64, tid, threads), sums, a, out, at, P, tid, threads);
+  // ⟨dH', H⟩ as the trace of dH'·Hᵀ on the tensor cores: each warpgroup forms its 32 columns of
+  // the [P, P] product, and the lanes sum the diagonal entries among their accumulators.
+  float dot = 0.f;
+  {
+    float acc[4][4];
+    m2::wgmma_fence();
+    product<4, 0, 0, N / 16>(acc, dha, 0, 0, ha, cw, 0);
+    m2::wgmma_commit();
+    m2::wgmma_wait<0>();
+    m2::wgmma_hold(acc);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (m0 + m2::acc_row(lane, e) == cw + 8 * j + m2::acc_col(lane, e)) dot += acc[j][e];
+  }
+  finish(dot, sums, a, out, at, P, tid, threads);
 }
 #endif
 
