@@ -348,8 +348,8 @@ fn bf16_gradients_match_the_cpu() -> Result<()> {
             state_dtype: DType::BF16,
             ..BASE
         },
-        // N = 256 (four warpgroups on sm_90a) with f32 states: four heads adding into one
-        // group's dB and dC over two state chunks of 128 tokens and part of a third.
+        // N = 256 with f32 states: four heads adding into one group's dB and dC over two state
+        // chunks of 128 tokens and part of a third.
         Case {
             seqlen: 333,
             ngroups: 1,
