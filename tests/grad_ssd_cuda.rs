@@ -357,6 +357,14 @@ fn bf16_gradients_match_the_cpu() -> Result<()> {
             d: 2,
             ..BASE
         },
+        // bf16 states at N = 128: the tiles by tensor map where the device has them, two
+        // sequences each ending 13 tokens into a program (rows past the end read as zeros).
+        Case {
+            seqlen: 333,
+            dstate: 128,
+            state_dtype: DType::BF16,
+            ..BASE
+        },
         // Eight heads adding into one group's dB and dC, over 264 chunks of 64.
         Case {
             batch: 1,

@@ -258,6 +258,12 @@ pub fn bwd_compute_out(t: Ty, s: Ty, fixed: Option<(usize, usize)>) -> String {
     }
 }
 
+/// bwd_compute_out's wgmma form with its tiles copied by tensor map: bf16 values and states, P =
+/// 64 and `n`, one of [`BWD_COMPUTE_OUT_FIXED`]'s N, compiled in (sm_90a).
+pub fn bwd_compute_out_tma(n: usize) -> String {
+    format!("bwd_compute_out_tma_bf16_p64_n{n}")
+}
+
 /// dB's and dC's f32 sums rounded to the 16-bit value type `t`, after bwd_compute_out.
 pub fn bwd_compute_out_round(t: Ty) -> String {
     format!("bwd_compute_out_round_{}", t.name())
@@ -635,6 +641,16 @@ pub fn instances() -> Vec<Instance> {
                 }
             }
         }
+    }
+    for (_, n) in BWD_COMPUTE_OUT_FIXED {
+        let name = bwd_compute_out_tma(n);
+        add(
+            &mut v,
+            "ssd/bwd_compute_out",
+            name,
+            "BWD_COMPUTE_OUT_TMA",
+            &[&n.to_string()],
+        );
     }
     for t in COMPUTE_OUT_TMA_VALUES {
         for (n, pt) in COMPUTE_OUT_TILES {

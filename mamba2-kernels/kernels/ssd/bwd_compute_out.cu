@@ -28,7 +28,9 @@
 // descriptor from tiles of 64-column blocks swizzled as wgmma reads them, transposed operands by
 // the descriptor's major-ness (no copies); warpgroup g takes the 32 columns from 32·g of S, M and
 // dX and of each block of 64 of dB and dC. Warp w's accumulator rows are again 16·(w mod 4), so
-// both forms share every epilogue.
+// both forms share every epilogue. Its `_tma` kernels (bf16 states too) take the tiles by tensor
+// map, one thread issuing every copy at the start, each of the three groups completing on an
+// mbarrier; the others copy them by cp.async, every thread computing addresses.
 #include <type_traits>
 
 #include "params.cuh"
@@ -588,6 +590,13 @@ __device__ void bwd_compute_out_mma(const T* __restrict__ x, const T* __restrict
   finish(tile_dot(hs, dhs, pp, np, ldn, tid, threads), sums, a, out, at, P, tid, threads);
 }
 
+// The tensor maps of the `_tma` form: x and dY as (channels, tokens, batch), B and C as (the
+// groups' channels, tokens, batch), the states and their gradients as rows of N by all their
+// other indices; every box 64 columns by 64 rows, landing as a Swizzled block.
+struct Maps {
+  const m2::TensorMap *x, *dy, *b, *c, *h, *dh;
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 using bf16 = __nv_bfloat16;
 
@@ -658,7 +667,64 @@ __device__ __forceinline__ void products_done(float (&acc)[NJ][4], float (&st)[N
   m2::wgmma_hold(st);
 }
 
-template <typename S, int N>
+// Waits, after a barrier of the whole program, for a copy group: by its mbarrier in the `_tma`
+// form (the barrier makes the mbarriers' initialisation visible), else for all but the `LEFT`
+// cp.async groups committed after it.
+template <bool TMA, int LEFT>
+__device__ __forceinline__ void copies_landed(uint64_t& landed) {
+  if constexpr (TMA) {
+    __syncthreads();
+    m2::mbar_wait(&landed, 0);
+  } else {
+    m2::cp_async_wait<LEFT>();
+    __syncthreads();
+  }
+}
+
+// The `_tma` form's copies, issued by one thread, each group completing on its own mbarrier of
+// `landed`: [0] the mid-chunk tile's operands (the other half's rows of x or dY into W's tile, of B
+// or C into the tile being formed), [1] x, dY, B and C, [2] H and dH' (those not formed here).
+// Rows past the sequence arrive as zeros.
+template <int NB>
+__device__ __forceinline__ void tiles_by_map(const Maps& m, const Place& at, bf16* xs, bf16* dys,
+                                             bf16* bs, bf16* cs, bf16* hs, bf16* dhs, bf16* ws,
+                                             uint64_t* landed) {
+  constexpr int P = 64, BLOCK = TOKENS * 64;
+  constexpr unsigned BYTES = BLOCK * sizeof(bf16);
+  const int xc = at.h * P, bc = at.grp * NB * 64, b = at.b;
+  // The state tile's first row among the rows of N (slot sc of (batch·head)).
+  const int row = static_cast<int>(at.h_at / (NB * 64));
+#pragma unroll
+  for (int k = 0; k < 3; ++k) m2::mbar_init(&landed[k], 1);
+  if (at.mid != MID_NONE) {
+    const bool state = at.mid == MID_STATE;
+    const int l = static_cast<int>(at.l_mid);
+    bf16* mt = state ? hs : dhs;
+    m2::mbar_expect(&landed[0], (1 + NB) * BYTES);
+    m2::tma_load_3d(ws, state ? m.x : m.dy, xc, l, b, &landed[0]);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+      m2::tma_load_3d(mt + nb * BLOCK, state ? m.b : m.c, bc + 64 * nb, l, b, &landed[0]);
+  }
+  m2::mbar_expect(&landed[1], (2 + 2 * NB) * BYTES);
+  m2::tma_load_3d(xs, m.x, xc, at.l0, b, &landed[1]);
+  m2::tma_load_3d(dys, m.dy, xc, at.l0, b, &landed[1]);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    m2::tma_load_3d(bs + nb * BLOCK, m.b, bc + 64 * nb, at.l0, b, &landed[1]);
+    m2::tma_load_3d(cs + nb * BLOCK, m.c, bc + 64 * nb, at.l0, b, &landed[1]);
+  }
+  const int states = (at.mid != MID_STATE) + (at.mid != MID_GRAD);
+  m2::mbar_expect(&landed[2], states * NB * BYTES);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (at.mid != MID_STATE) m2::tma_load_3d(hs + nb * BLOCK, m.h, 64 * nb, row, 0, &landed[2]);
+    if (at.mid != MID_GRAD)
+      m2::tma_load_3d(dhs + nb * BLOCK, m.dh, 64 * nb, row + P, 0, &landed[2]);
+  }
+}
+
+template <typename S, int N, bool TMA>
 __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __restrict__ dy,
                                       const bf16* __restrict__ bm, const bf16* __restrict__ cm,
                                       const float* __restrict__ dt_out,
@@ -666,8 +732,10 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
                                       const S* __restrict__ dstates,
                                       const float* __restrict__ dskip,
                                       const float* __restrict__ a, const Grads& out,
-                                      const m2::SsdParams& d) {
+                                      const m2::SsdParams& d, const Maps& maps) {
   constexpr int P = 64, NB = N / 64, BLOCK = TOKENS * 64;
+  // TMA: the three copy groups have landed (tiles_by_map).
+  __shared__ uint64_t landed[3];
   extern __shared__ unsigned char smem_raw[];
   bf16* xs = reinterpret_cast<bf16*>(m2::smem_aligned<1024>(smem_raw));
   bf16* dys = xs + BLOCK;
@@ -681,13 +749,13 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   const Place at(d, P, N);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, threads = blockDim.x;
   m2::wait_prior_grid();
+  // The tensor-map copies first, their latency under everything up to the first wait.
+  if constexpr (TMA)
+    if (tid == 0) tiles_by_map<NB>(maps, at, xs, dys, bs, cs, hs, dhs, ws, landed);
 
   start_sums(sums, dt_out, da, dskip, at, P, d.d_per_channel, tid, threads);
   const S* hsrc = states + at.h_at;
   const S* dhsrc = dstates + at.h_at + static_cast<size_t>(P) * N;
-  auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool wide = al(x + at.xo) && al(dy + at.xo) && al(bm + at.bo) && al(cm + at.bo) &&
-                    al(hsrc) && al(dhsrc);
   const bool state = at.mid == MID_STATE;
   bf16* mt = state ? hs : dhs;
   // The warpgroup by a shuffle from lane 0: the compiler then knows it uniform across the warp and
@@ -709,31 +777,36 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
           sv[nb][j][half] = *reinterpret_cast<const typename Pair<S>::Raw*>(src + r * N + n);
         }
   }
-  // Copy groups: the mid-chunk tile's operands (the other half's rows of x or dY into W's tile,
-  // of B or C into the tile's own place), then what S and M read, then H and dH' (first read by
-  // dX) under S and M.
-  if (at.mid != MID_NONE) {
-    block_in(ws, (state ? x : dy) + at.xo_mid, at.xstride, at.tc_mid, wide, tid, threads);
+  // Else the copies by cp.async, in the same three groups: the mid-chunk tile's operands (the
+  // other half's rows of x or dY into W's tile, of B or C into the tile's own place), then what S
+  // and M read, then H and dH' (first read by dX) under S and M.
+  if constexpr (!TMA) {
+    auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool wide = al(x + at.xo) && al(dy + at.xo) && al(bm + at.bo) && al(cm + at.bo) &&
+                      al(hsrc) && al(dhsrc);
+    if (at.mid != MID_NONE) {
+      block_in(ws, (state ? x : dy) + at.xo_mid, at.xstride, at.tc_mid, wide, tid, threads);
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb)
-      block_in(mt + nb * BLOCK, (state ? bm : cm) + at.bo_mid + 64 * nb, at.bstride, at.tc_mid,
-               wide, tid, threads);
+      for (int nb = 0; nb < NB; ++nb)
+        block_in(mt + nb * BLOCK, (state ? bm : cm) + at.bo_mid + 64 * nb, at.bstride, at.tc_mid,
+                 wide, tid, threads);
+      m2::cp_async_commit();
+    }
+    block_in(xs, x + at.xo, at.xstride, at.tc, wide, tid, threads);
+    block_in(dys, dy + at.xo, at.xstride, at.tc, wide, tid, threads);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      block_in(bs + nb * BLOCK, bm + at.bo + 64 * nb, at.bstride, at.tc, wide, tid, threads);
+      block_in(cs + nb * BLOCK, cm + at.bo + 64 * nb, at.bstride, at.tc, wide, tid, threads);
+    }
+    m2::cp_async_commit();
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      if (at.mid != MID_STATE) block_in(hs + nb * BLOCK, hsrc + 64 * nb, N, P, wide, tid, threads);
+      if (at.mid != MID_GRAD) block_in(dhs + nb * BLOCK, dhsrc + 64 * nb, N, P, wide, tid, threads);
+    }
     m2::cp_async_commit();
   }
-  block_in(xs, x + at.xo, at.xstride, at.tc, wide, tid, threads);
-  block_in(dys, dy + at.xo, at.xstride, at.tc, wide, tid, threads);
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    block_in(bs + nb * BLOCK, bm + at.bo + 64 * nb, at.bstride, at.tc, wide, tid, threads);
-    block_in(cs + nb * BLOCK, cm + at.bo + 64 * nb, at.bstride, at.tc, wide, tid, threads);
-  }
-  m2::cp_async_commit();
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    if (at.mid != MID_STATE) block_in(hs + nb * BLOCK, hsrc + 64 * nb, N, P, wide, tid, threads);
-    if (at.mid != MID_GRAD) block_in(dhs + nb * BLOCK, dhsrc + 64 * nb, N, P, wide, tid, threads);
-  }
-  m2::cp_async_commit();
 
   // Each tile's descriptor, once.
   auto tile = [](const bf16* t) { return m2::wgmma_desc<128>(m2::smem_addr(t)); };
@@ -742,8 +815,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   // The mid-chunk tile: the weighted rows' product over the other half, written over its B or C
   // rows one block of 64 columns at a time, once both warpgroups have read that block.
   if (at.mid != MID_NONE) {
-    m2::cp_async_wait<2>();
-    __syncthreads();
+    copies_landed<TMA, 2>(landed[0]);
     m2::scale_rows(ws, 64, TOKENS, 64, sums.col, tid, threads);
     m2::fence_proxy_async();  // the weighted rows, before wgmma reads them
     __syncthreads();
@@ -762,9 +834,8 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       mid_store<S>(acc, f, sv[nb], m0, n1, mt, Swizzled{}, lane);
     }
   }
-  m2::cp_async_wait<1>();
+  copies_landed<TMA, 1>(landed[1]);
   m2::fence_proxy_async();  // the tiles' writes, before wgmma reads them
-  __syncthreads();
 
   const float g_last = sums.gs[TOKENS - 1];
   // S = C·Bᵀ and M = dY·Xᵀ at columns cw.. (B's and X's rows), then W, A and their sums.
@@ -776,7 +847,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     products_done(sacc, macc);
     w_and_a(sacc, macc, m0, cw, at.tc, sums, ws, as, Swizzled{}, lane);
   }
-  m2::cp_async_wait<0>();
+  copies_landed<TMA, 0>(landed[2]);
   m2::fence_proxy_async();  // W's, A's, H's and dH''s writes, before wgmma reads them
   __syncthreads();
 
@@ -855,11 +926,29 @@ __device__ __forceinline__ void bwd_compute_out(const T* x, const T* dy, const T
                                                 const Grads& out, const m2::SsdParams& d) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if constexpr (std::is_same<T, bf16>::value && PF == 64 && NF > 0 && NF % 64 == 0) {
-    bwd_compute_out_wgmma<S, NF>(x, dy, bm, cm, dt_out, da, states, dstates, dskip, a, out, d);
+    bwd_compute_out_wgmma<S, NF, false>(x, dy, bm, cm, dt_out, da, states, dstates, dskip, a, out,
+                                        d, Maps{});
     return;
   }
 #endif
   bwd_compute_out_mma<T, S, PF, NF>(x, dy, bm, cm, dt_out, da, states, dstates, dskip, a, out, d);
+}
+
+// The `_tma` form: the wgmma form with its tiles copied by tensor map (bf16 values and states, P =
+// 64, N compiled in; sm_90a, where the launcher alone picks it).
+template <int NF>
+__device__ __forceinline__ void bwd_compute_out_tma(const float* dt_out, const float* da,
+                                                    const __nv_bfloat16* states,
+                                                    const __nv_bfloat16* dstates,
+                                                    const float* dskip, const float* a,
+                                                    const Grads& out, const m2::SsdParams& d,
+                                                    const Maps& maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  bwd_compute_out_wgmma<bf16, NF, true>(nullptr, nullptr, nullptr, nullptr, dt_out, da, states,
+                                        dstates, dskip, a, out, d, maps);
+#else
+  __trap();
+#endif
 }
 
 // db's and dc's f32 sums (`len` values each) rounded into db_out and dc_out of T: eight values
@@ -902,4 +991,16 @@ __device__ void bwd_compute_out_round(const float* __restrict__ db, const float*
     bwd_compute_out<T, S, PF, NF>(x, dy, b, c, dt_out, da, states, dstates, dskip, a, out, d);  \
   }
 #define BWD_COMPUTE_OUT(NAME, T, S) BWD_COMPUTE_OUT_FIXED(NAME, T, S, 0, 0)
+#define BWD_COMPUTE_OUT_TMA(NAME, NF)                                                           \
+  extern "C" __global__ void __launch_bounds__(256, min_programs<__nv_bfloat16>(NF))             \
+      NAME(const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tdy,   \
+           const __grid_constant__ m2::TensorMap tb, const __grid_constant__ m2::TensorMap tc,    \
+           const __grid_constant__ m2::TensorMap th, const __grid_constant__ m2::TensorMap tdh,   \
+           const float* dt_out, const float* da, const __nv_bfloat16* states,                    \
+           const __nv_bfloat16* dstates, const float* dskip, const float* a, void* dx, float* db,  \
+           float* dc, float* ddt, float* da_part, float* dd, m2::SsdParams d) {                  \
+    const Grads out{dx, db, dc, ddt, da_part, dd};                                              \
+    bwd_compute_out_tma<NF>(dt_out, da, states, dstates, dskip, a, out, d,                      \
+                            Maps{&tx, &tdy, &tb, &tc, &th, &tdh});                              \
+  }
 #include "ssd/bwd_compute_out.inc"

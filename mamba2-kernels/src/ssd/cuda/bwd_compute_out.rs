@@ -3,17 +3,19 @@
 //! their gradients at `p.chunk` (64, or 128 with P ≤ 64: the half-way ones formed by the
 //! programs). Tensor-core values at P = 64 and N of 64, 128 or 256 take a kernel with P and N
 //! compiled in (its tile walks unrolled, its column bounds folded; in bf16 on sm_90a its products
-//! on wgmma); other shapes one that reads them at run time. For 16-bit values a second kernel then
-//! rounds dB's and dC's f32 sums to the value type.
+//! on wgmma, and with bf16 states its tiles by tensor map); other shapes one that reads them at
+//! run time. For 16-bit values a second kernel then rounds dB's and dC's f32 sums to the value
+//! type.
 
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
-use candle_core::{bail, Result};
+use candle_core::{bail, DType, Result};
 
 use super::bwd_pass_state::{pad, TOKENS};
 use super::params::SsdParams;
-use crate::cuda::{cfg, fatbin, function, launch, max_smem, runs_sm90a, Image, Ty};
+use crate::cuda::tensor_map::{tensor_map_3d, tokens, TensorMap};
+use crate::cuda::{cfg, fatbin, function, has_tma, launch, max_smem, runs_sm90a, Image, Ty};
 use crate::instances;
 
 const IMAGE: Image = fatbin!("ssd_bwd_compute_out");
@@ -85,15 +87,62 @@ pub(super) fn launch_bwd_out(
             t.name()
         )
     }
-    let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s, fixed))?;
     let programs = (p.seqlen as usize).div_ceil(TOKENS) * p.batch as usize * p.nheads as usize;
     let grid = [programs, 1, 1];
     let c = cfg(name, stream, grid, [32 * WARPS, 1, 1], bytes)?;
+    if let Some(maps) = tile_maps(p, (t, s), q, wgmma, stream)? {
+        let f = function(stream, IMAGE, &instances::bwd_compute_out_tma(shape.1))?;
+        let [tx, tdy, tb, tc, th, tdh] = &maps;
+        let args: [&dyn crate::cuda::Arg; 19] = [
+            tx, tdy, tb, tc, th, tdh, &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx,
+            &q.db, &q.dc, &q.ddt, &q.da_part, &q.dd, p,
+        ];
+        return launch(stream, &f, c, &args);
+    }
+    let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s, fixed))?;
     let args: [&dyn crate::cuda::Arg; 17] = [
         &q.x, &q.dy, &q.b, &q.c, &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx, &q.db,
         &q.dc, &q.ddt, &q.da_part, &q.dd, p,
     ];
     launch(stream, &f, c, &args)
+}
+
+/// The tensor maps of the `_tma` form (x, dY, B, C, the states, their gradients), where it runs:
+/// the wgmma form (`wgmma`) with states of the value type, TMA on the device (and not turned off
+/// by `MAMBA2_NO_TMA=1`), every tensor 16-byte aligned and the states' rows of N indexable by an
+/// i32.
+fn tile_maps(
+    p: &SsdParams,
+    (t, s): (Ty, Ty),
+    q: &BwdOutPtrs,
+    wgmma: bool,
+    stream: &Arc<CudaStream>,
+) -> Result<Option<[TensorMap; 6]>> {
+    let (b, l, h, g) = (
+        p.batch as usize,
+        p.seqlen as usize,
+        p.nheads as usize,
+        p.ngroups as usize,
+    );
+    let (hd, n) = (p.headdim as usize, p.dstate as usize);
+    let rows = b * h * (p.nchunks as usize + 1) * hd;
+    let aligned = [q.x, q.dy, q.b, q.c, q.states, q.dstates]
+        .iter()
+        .all(|a| a % 16 == 0);
+    if !(wgmma && s == t && aligned && i32::try_from(rows).is_ok() && has_tma(stream)?) {
+        return Ok(None);
+    }
+    let dtype = DType::BF16;
+    let values = |ptr, row| tokens(ptr, dtype, [b, l, row], 64, TOKENS);
+    let states = |ptr| tensor_map_3d(ptr, dtype, [n, rows, 1], [n, rows * n], [64, 64, 1]);
+    Ok(Some([
+        values(q.x, h * hd)?,
+        values(q.dy, h * hd)?,
+        values(q.b, g * n)?,
+        values(q.c, g * n)?,
+        states(q.states)?,
+        states(q.dstates)?,
+    ]))
 }
 
 /// Rounds dB's and dC's f32 sums (`len` values each, `db`, `dc`) into `db_out` and `dc_out` of
