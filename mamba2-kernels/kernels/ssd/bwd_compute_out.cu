@@ -214,42 +214,47 @@ __device__ __forceinline__ void mid_store(const float (&acc)[NJ][4], float f, co
 }
 
 // From this warp's S and M accumulators (rows m0.., columns cw..): W and A into their tiles
-// (zero above the diagonal and past the sequence), decay∘S∘M summed into col and row.
+// (zero above the diagonal and past the sequence), decay∘S∘M summed into col and row. Without
+// branches: a masked element's exponent is −∞, so its decay, W, A and sums are 0.
 template <typename T, typename Idx>
 __device__ __forceinline__ void w_and_a(const float (&sacc)[4][4], const float (&macc)[4][4],
                                         int m0, int cw, int tc, const Sums& s, T* ws, T* as,
                                         Idx at, int lane) {
-  float rz[2] = {0.f, 0.f};
+  float rz[2] = {0.f, 0.f}, gt[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = m0 + m2::acc_row(lane, 2 * half);
+    gt[half] = t < tc ? s.gs[t] : -INFINITY;
+  }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     float cz[2] = {0.f, 0.f};
+    const int c0 = cw + 8 * j + m2::acc_col(lane, 0);
+    const float2 gc = *reinterpret_cast<const float2*>(s.gs + c0);
+    const float2 dc = *reinterpret_cast<const float2*>(s.dts + c0);
+    const float gcs[2] = {gc.x, gc.y}, dcs[2] = {dc.x, dc.y};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = m0 + m2::acc_row(lane, 2 * half);
       float wv[2], av[2];
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        const int e = 2 * half + k, c = cw + 8 * j + m2::acc_col(lane, e);
-        wv[k] = 0.f;
-        av[k] = 0.f;
-        if (c <= t && t < tc) {
-          const float decay = m2::exp2_fast(s.gs[t] - s.gs[c]);
-          const float v = decay * sacc[j][e] * macc[j][e];
-          const float ed = decay * s.dts[c];
-          wv[k] = ed * sacc[j][e];
-          av[k] = ed * macc[j][e];
-          rz[half] += v * s.dts[c];
-          cz[k] += v;
-        }
+        const int e = 2 * half + k;
+        const float decay = m2::exp2_fast(c0 + k <= t ? gt[half] - gcs[k] : -INFINITY);
+        const float v = decay * sacc[j][e] * macc[j][e];
+        const float ed = decay * dcs[k];
+        wv[k] = ed * sacc[j][e];
+        av[k] = ed * macc[j][e];
+        rz[half] += v * dcs[k];
+        cz[k] += v;
       }
-      const int c0 = cw + 8 * j + m2::acc_col(lane, 0);
       m2::store2<T>(ws + at(t, c0), wv[0], wv[1]);
       m2::store2<T>(as + at(t, c0), av[0], av[1]);
     }
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const float v = m2::column_sum(cz[k]);
-      if (lane < 4) s.col[(m0 >> 4) * TOKENS + cw + 8 * j + m2::acc_col(lane, k)] = v;
+      if (lane < 4) s.col[(m0 >> 4) * TOKENS + c0 + k] = v;
     }
   }
 #pragma unroll
