@@ -51,11 +51,12 @@ struct Grads {
   float* dd;
 };
 
-// Programs per SM the kernel's registers are bounded for: three for the wgmma form of bf16
-// values at N = 64 (sm_90a), whose tiles (70 KB) leave room for three, else two.
+// Programs per SM the kernel's registers are bounded for, as many as the tiles leave room for in
+// the wgmma form of bf16 values (sm_90a): three at N = 64 (70 KB), one at N = 256 (176 KB); else
+// two.
 template <typename T> __host__ __device__ constexpr int min_programs(int n) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  return std::is_same<T, __nv_bfloat16>::value && n == 64 ? 3 : 2;
+  return !std::is_same<T, __nv_bfloat16>::value ? 2 : n == 64 ? 3 : n == 256 ? 1 : 2;
 #else
   return 2;
 #endif
@@ -871,7 +872,13 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   }
 
   // dB = Aᵀ·C + diag(r)·(X·dH') and dC = A·B + diag(exp2(d))·(dY·H) at columns 64·nb + cw.., both
-  // warpgroups issuing the same products (a branch around wgmma would serialise them).
+  // warpgroups issuing the same products (a branch around wgmma would serialise them): dB's into
+  // (ab, sb), dC's into (ac, sc), and after the last block ⟨dH', H⟩ as the trace of dH'·Hᵀ into
+  // ab (each warpgroup its 32 columns of the [P, P] product, the lanes summing the diagonal
+  // entries among their accumulators). Where the registers allow (`ahead`), each epilogue runs
+  // with the next products already issued, the tensor cores working under it.
+  constexpr bool ahead = min_programs<bf16>(N) < 3;
+  float dot = 0.f;
   {
     float yc[2] = {0.f, 0.f}, rs[2], eg[2];
     row_scales(sums, g_last, m0, lane, rs, eg);
@@ -882,41 +889,60 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     const size_t q_at = at.bo + static_cast<size_t>(qr) * at.bstride + cw + m2::quad_col(lane);
     float* db_row = out.db + q_at;
     float* dc_row = out.dc + q_at;
+    float ab[4][4], sb[4][4], ac[4][4], sc[4][4];
+    m2::wgmma_fence();
+    product<4, 1, 1, TOKENS / 16>(ab, aa, 0, 0, ca, 0, cw);
+    product<4, 0, 1, P / 16>(sb, xa, 0, 0, dha, 0, cw);
+    m2::wgmma_commit();
 #pragma unroll 1
     for (int nb = 0; nb < NB; ++nb) {
       const int n1 = 64 * nb + cw;
-      float acc[4][4], st[4][4];
-      m2::wgmma_fence();
-      product<4, 1, 1, TOKENS / 16>(acc, aa, 0, 0, ca, 0, n1);
-      product<4, 0, 1, P / 16>(st, xa, 0, 0, dha, 0, n1);
-      products_done(acc, st);
-      grad_quads(acc, st, rs, m0, n1, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
+      // dC's block (ahead: before dB's epilogue).
+      if constexpr (ahead) {
+        m2::wgmma_fence();
+        product<4, 0, 1, TOKENS / 16>(ac, aa, 0, 0, ba, 0, n1);
+        product<4, 0, 1, P / 16>(sc, dya, 0, 0, ha, 0, n1);
+        m2::wgmma_commit();
+      }
+      m2::wgmma_wait<ahead ? 1 : 0>();
+      m2::wgmma_hold(ab);
+      m2::wgmma_hold(sb);
+      grad_quads(ab, sb, rs, m0, n1, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
                  db_row + 64 * nb, q_in, shared, lane);
       m2::wgmma_fence();
-      product<4, 0, 1, TOKENS / 16>(acc, aa, 0, 0, ba, 0, n1);
-      product<4, 0, 1, P / 16>(st, dya, 0, 0, ha, 0, n1);
-      products_done(acc, st);
-      grad_quads(acc, st, eg, m0, n1, static_cast<const bf16*>(cs), Swizzled{}, yc,
+      if constexpr (!ahead) {
+        product<4, 0, 1, TOKENS / 16>(ac, aa, 0, 0, ba, 0, n1);
+        product<4, 0, 1, P / 16>(sc, dya, 0, 0, ha, 0, n1);
+        m2::wgmma_commit();
+        m2::wgmma_wait<0>();
+        m2::wgmma_hold(ac);
+        m2::wgmma_hold(sc);
+        m2::wgmma_fence();
+      }
+      // dB's next block, or after the last the trace (ahead: before dC's epilogue).
+      if (nb + 1 < NB) {
+        product<4, 1, 1, TOKENS / 16>(ab, aa, 0, 0, ca, 0, n1 + 64);
+        product<4, 0, 1, P / 16>(sb, xa, 0, 0, dha, 0, n1 + 64);
+      } else {
+        product<4, 0, 0, N / 16>(ab, dha, 0, 0, ha, cw, 0);
+      }
+      m2::wgmma_commit();
+      if constexpr (ahead) {
+        m2::wgmma_wait<1>();
+        m2::wgmma_hold(ac);
+        m2::wgmma_hold(sc);
+      }
+      grad_quads(ac, sc, eg, m0, n1, static_cast<const bf16*>(cs), Swizzled{}, yc,
                  dc_row + 64 * nb, q_in, shared, lane);
     }
     add_rows(sums.dyhc, yc, m0, cw, lane);
-  }
-
-  // ⟨dH', H⟩ as the trace of dH'·Hᵀ on the tensor cores: each warpgroup forms its 32 columns of
-  // the [P, P] product, and the lanes sum the diagonal entries among their accumulators.
-  float dot = 0.f;
-  {
-    float acc[4][4];
-    m2::wgmma_fence();
-    product<4, 0, 0, N / 16>(acc, dha, 0, 0, ha, cw, 0);
-    m2::wgmma_commit();
     m2::wgmma_wait<0>();
-    m2::wgmma_hold(acc);
+    m2::wgmma_hold(ab);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (m0 + m2::acc_row(lane, e) == cw + 8 * j + m2::acc_col(lane, e)) dot += acc[j][e];
+        if (m0 + m2::acc_row(lane, e) == cw + 8 * j + m2::acc_col(lane, e)) dot += ab[j][e];
   }
   finish(dot, sums, a, out, at, P, tid, threads);
 }
