@@ -258,10 +258,10 @@ pub fn bwd_compute_out(t: Ty, s: Ty, fixed: Option<(usize, usize)>) -> String {
     }
 }
 
-/// bwd_compute_out's wgmma form with its tiles copied by tensor map: bf16 values and states, P =
-/// 64 and `n`, one of [`BWD_COMPUTE_OUT_FIXED`]'s N, compiled in (sm_90a).
-pub fn bwd_compute_out_tma(n: usize) -> String {
-    format!("bwd_compute_out_tma_bf16_p64_n{n}")
+/// bwd_compute_out's wgmma form with its tiles copied by tensor map (the states too where `s` is
+/// bf16): bf16 values, P = 64 and `n`, one of [`BWD_COMPUTE_OUT_FIXED`]'s N, compiled in (sm_90a).
+pub fn bwd_compute_out_tma(s: Ty, n: usize) -> String {
+    format!("bwd_compute_out_tma_bf16_{}_p64_n{n}", s.name())
 }
 
 /// dB's and dC's f32 sums rounded to the 16-bit value type `t`, after bwd_compute_out.
@@ -643,14 +643,13 @@ pub fn instances() -> Vec<Instance> {
         }
     }
     for (_, n) in BWD_COMPUTE_OUT_FIXED {
-        let name = bwd_compute_out_tma(n);
-        add(
-            &mut v,
-            "ssd/bwd_compute_out",
-            name,
-            "BWD_COMPUTE_OUT_TMA",
-            &[&n.to_string()],
-        );
+        for (s, mac) in [
+            (Ty::Bf16, "BWD_COMPUTE_OUT_TMA"),
+            (Ty::F32, "BWD_COMPUTE_OUT_TMA_F32"),
+        ] {
+            let name = bwd_compute_out_tma(s, n);
+            add(&mut v, "ssd/bwd_compute_out", name, mac, &[&n.to_string()]);
+        }
     }
     for t in COMPUTE_OUT_TMA_VALUES {
         for (n, pt) in COMPUTE_OUT_TILES {

@@ -689,9 +689,10 @@ __device__ __forceinline__ void copies_landed(uint64_t& landed) {
 
 // The `_tma` form's copies, issued by one thread, each group completing on its own mbarrier of
 // `landed`: [0] the mid-chunk tile's operands (the other half's rows of x or dY into W's tile, of B
-// or C into the tile being formed), [1] x, dY, B and C, [2] H and dH' (those not formed here).
-// Rows past the sequence arrive as zeros.
-template <int NB>
+// or C into the tile being formed), [1] x, dY, B and C, [2] with bf16 states H and dH' (those not
+// formed here; f32 states are converted through registers instead). Rows past the sequence
+// arrive as zeros.
+template <typename S, int NB>
 __device__ __forceinline__ void tiles_by_map(const Maps& m, const Place& at, bf16* xs, bf16* dys,
                                              bf16* bs, bf16* cs, bf16* hs, bf16* dhs, bf16* ws,
                                              uint64_t* landed) {
@@ -720,6 +721,7 @@ __device__ __forceinline__ void tiles_by_map(const Maps& m, const Place& at, bf1
     m2::tma_load_3d(bs + nb * BLOCK, m.b, bc + 64 * nb, at.l0, b, &landed[1]);
     m2::tma_load_3d(cs + nb * BLOCK, m.c, bc + 64 * nb, at.l0, b, &landed[1]);
   }
+  if constexpr (!std::is_same<S, bf16>::value) return;
   const int states = (at.mid != MID_STATE) + (at.mid != MID_GRAD);
   m2::mbar_expect(&landed[2], states * NB * BYTES);
 #pragma unroll
@@ -757,7 +759,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   m2::wait_prior_grid();
   // The tensor-map copies first, their latency under everything up to the first wait.
   if constexpr (TMA)
-    if (tid == 0) tiles_by_map<NB>(maps, at, xs, dys, bs, cs, hs, dhs, ws, landed);
+    if (tid == 0) tiles_by_map<S, NB>(maps, at, xs, dys, bs, cs, hs, dhs, ws, landed);
 
   start_sums(sums, dt_out, da, dskip, at, P, d.d_per_channel, tid, threads);
   const S* hsrc = states + at.h_at;
@@ -785,11 +787,14 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   }
   // Else the copies by cp.async, in the same three groups: the mid-chunk tile's operands (the
   // other half's rows of x or dY into W's tile, of B or C into the tile's own place), then what S
-  // and M read, then H and dH' (first read by dX) under S and M.
+  // and M read, then H and dH' (first read by dX) under S and M; f32 states are converted through
+  // registers in either form.
+  constexpr bool states_by_map = TMA && std::is_same<S, bf16>::value;
+  bool wide = true;
   if constexpr (!TMA) {
     auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    const bool wide = al(x + at.xo) && al(dy + at.xo) && al(bm + at.bo) && al(cm + at.bo) &&
-                      al(hsrc) && al(dhsrc);
+    wide = al(x + at.xo) && al(dy + at.xo) && al(bm + at.bo) && al(cm + at.bo) && al(hsrc) &&
+           al(dhsrc);
     if (at.mid != MID_NONE) {
       block_in(ws, (state ? x : dy) + at.xo_mid, at.xstride, at.tc_mid, wide, tid, threads);
 #pragma unroll
@@ -806,6 +811,8 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       block_in(cs + nb * BLOCK, cm + at.bo + 64 * nb, at.bstride, at.tc, wide, tid, threads);
     }
     m2::cp_async_commit();
+  }
+  if constexpr (!states_by_map) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       if (at.mid != MID_STATE) block_in(hs + nb * BLOCK, hsrc + 64 * nb, N, P, wide, tid, threads);
@@ -853,7 +860,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     products_done(sacc, macc);
     w_and_a(sacc, macc, m0, cw, at.tc, sums, ws, as, Swizzled{}, lane);
   }
-  copies_landed<TMA, 0>(landed[2]);
+  copies_landed<states_by_map, 0>(landed[2]);
   m2::fence_proxy_async();  // W's, A's, H's and dH''s writes, before wgmma reads them
   __syncthreads();
 
@@ -965,18 +972,17 @@ __device__ __forceinline__ void bwd_compute_out(const T* x, const T* dy, const T
   bwd_compute_out_mma<T, S, PF, NF>(x, dy, bm, cm, dt_out, da, states, dstates, dskip, a, out, d);
 }
 
-// The `_tma` form: the wgmma form with its tiles copied by tensor map (bf16 values and states, P =
-// 64, N compiled in; sm_90a, where the launcher alone picks it).
-template <int NF>
+// The `_tma` form: the wgmma form with its tiles copied by tensor map (bf16 values, P = 64, N
+// compiled in; sm_90a, where the launcher alone picks it), the states too where they are bf16.
+template <typename S, int NF>
 __device__ __forceinline__ void bwd_compute_out_tma(const float* dt_out, const float* da,
-                                                    const __nv_bfloat16* states,
-                                                    const __nv_bfloat16* dstates,
+                                                    const S* states, const S* dstates,
                                                     const float* dskip, const float* a,
                                                     const Grads& out, const m2::SsdParams& d,
                                                     const Maps& maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  bwd_compute_out_wgmma<bf16, NF, true>(nullptr, nullptr, nullptr, nullptr, dt_out, da, states,
-                                        dstates, dskip, a, out, d, maps);
+  bwd_compute_out_wgmma<S, NF, true>(nullptr, nullptr, nullptr, nullptr, dt_out, da, states,
+                                     dstates, dskip, a, out, d, maps);
 #else
   __trap();
 #endif
@@ -1022,16 +1028,25 @@ __device__ void bwd_compute_out_round(const float* __restrict__ db, const float*
     bwd_compute_out<T, S, PF, NF>(x, dy, b, c, dt_out, da, states, dstates, dskip, a, out, d);  \
   }
 #define BWD_COMPUTE_OUT(NAME, T, S) BWD_COMPUTE_OUT_FIXED(NAME, T, S, 0, 0)
-#define BWD_COMPUTE_OUT_TMA(NAME, NF)                                                           \
+// The `_tma` kernels: x's, dY's, B's and C's tensor maps, then (BWD_COMPUTE_OUT_TMA, bf16
+// states) the states' and their gradients' (STATE_MAPS) or (BWD_COMPUTE_OUT_TMA_F32, f32 states)
+// none (NO_STATE_MAPS).
+#define STATE_MAPS                                                                              \
+  , const __grid_constant__ m2::TensorMap th, const __grid_constant__ m2::TensorMap tdh
+#define NO_STATE_MAPS
+#define BWD_COMPUTE_OUT_TMA_KERNEL(NAME, S, NF, MAPS, H, DH)                                    \
   extern "C" __global__ void __launch_bounds__(256, min_programs<__nv_bfloat16>(NF))             \
       NAME(const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tdy,   \
-           const __grid_constant__ m2::TensorMap tb, const __grid_constant__ m2::TensorMap tc,    \
-           const __grid_constant__ m2::TensorMap th, const __grid_constant__ m2::TensorMap tdh,   \
-           const float* dt_out, const float* da, const __nv_bfloat16* states,                    \
-           const __nv_bfloat16* dstates, const float* dskip, const float* a, void* dx, float* db,  \
-           float* dc, float* ddt, float* da_part, float* dd, m2::SsdParams d) {                  \
+           const __grid_constant__ m2::TensorMap tb, const __grid_constant__ m2::TensorMap tc MAPS, \
+           const float* dt_out, const float* da, const S* states, const S* dstates,             \
+           const float* dskip, const float* a, void* dx, float* db, float* dc, float* ddt,       \
+           float* da_part, float* dd, m2::SsdParams d) {                                        \
     const Grads out{dx, db, dc, ddt, da_part, dd};                                              \
-    bwd_compute_out_tma<NF>(dt_out, da, states, dstates, dskip, a, out, d,                      \
-                            Maps{&tx, &tdy, &tb, &tc, &th, &tdh});                              \
+    const Maps maps{&tx, &tdy, &tb, &tc, H, DH};                                                \
+    bwd_compute_out_tma<S, NF>(dt_out, da, states, dstates, dskip, a, out, d, maps);            \
   }
+#define BWD_COMPUTE_OUT_TMA(NAME, NF)                                                           \
+  BWD_COMPUTE_OUT_TMA_KERNEL(NAME, __nv_bfloat16, NF, STATE_MAPS, &th, &tdh)
+#define BWD_COMPUTE_OUT_TMA_F32(NAME, NF)                                                       \
+  BWD_COMPUTE_OUT_TMA_KERNEL(NAME, float, NF, NO_STATE_MAPS, nullptr, nullptr)
 #include "ssd/bwd_compute_out.inc"

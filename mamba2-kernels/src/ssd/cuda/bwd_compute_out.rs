@@ -90,13 +90,17 @@ pub(super) fn launch_bwd_out(
     let programs = (p.seqlen as usize).div_ceil(TOKENS) * p.batch as usize * p.nheads as usize;
     let grid = [programs, 1, 1];
     let c = cfg(name, stream, grid, [32 * WARPS, 1, 1], bytes)?;
-    if let Some(maps) = tile_maps(p, (t, s), q, wgmma, stream)? {
-        let f = function(stream, IMAGE, &instances::bwd_compute_out_tma(shape.1))?;
-        let [tx, tdy, tb, tc, th, tdh] = &maps;
-        let args: [&dyn crate::cuda::Arg; 19] = [
-            tx, tdy, tb, tc, th, tdh, &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx,
-            &q.db, &q.dc, &q.ddt, &q.da_part, &q.dd, p,
+    if let Some(maps) = tile_maps(p, s, q, wgmma, stream)? {
+        let f = function(stream, IMAGE, &instances::bwd_compute_out_tma(s, shape.1))?;
+        let rest: [&dyn crate::cuda::Arg; 13] = [
+            &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx, &q.db, &q.dc, &q.ddt,
+            &q.da_part, &q.dd, p,
         ];
+        let args: Vec<&dyn crate::cuda::Arg> = maps
+            .iter()
+            .map(|m| m as &dyn crate::cuda::Arg)
+            .chain(rest)
+            .collect();
         return launch(stream, &f, c, &args);
     }
     let f = function(stream, IMAGE, &instances::bwd_compute_out(t, s, fixed))?;
@@ -107,17 +111,16 @@ pub(super) fn launch_bwd_out(
     launch(stream, &f, c, &args)
 }
 
-/// The tensor maps of the `_tma` form (x, dY, B, C, the states, their gradients), where it runs:
-/// the wgmma form (`wgmma`) with states of the value type, TMA on the device (and not turned off
-/// by `MAMBA2_NO_TMA=1`), every tensor 16-byte aligned and the states' rows of N indexable by an
-/// i32.
+/// The tensor maps of the `_tma` form where it runs (the wgmma form, `wgmma`, with TMA on the
+/// device and not turned off by `MAMBA2_NO_TMA=1`, every tensor 16-byte aligned): x, dY, B and C,
+/// then with bf16 states (`s`) the states and their gradients, whose rows of N an i32 indexes.
 fn tile_maps(
     p: &SsdParams,
-    (t, s): (Ty, Ty),
+    s: Ty,
     q: &BwdOutPtrs,
     wgmma: bool,
     stream: &Arc<CudaStream>,
-) -> Result<Option<[TensorMap; 6]>> {
+) -> Result<Option<Vec<TensorMap>>> {
     let (b, l, h, g) = (
         p.batch as usize,
         p.seqlen as usize,
@@ -129,20 +132,23 @@ fn tile_maps(
     let aligned = [q.x, q.dy, q.b, q.c, q.states, q.dstates]
         .iter()
         .all(|a| a % 16 == 0);
-    if !(wgmma && s == t && aligned && i32::try_from(rows).is_ok() && has_tma(stream)?) {
+    let states_fit = s != Ty::Bf16 || i32::try_from(rows).is_ok();
+    if !(wgmma && aligned && states_fit && has_tma(stream)?) {
         return Ok(None);
     }
     let dtype = DType::BF16;
     let values = |ptr, row| tokens(ptr, dtype, [b, l, row], 64, TOKENS);
     let states = |ptr| tensor_map_3d(ptr, dtype, [n, rows, 1], [n, rows * n], [64, 64, 1]);
-    Ok(Some([
+    let mut maps = vec![
         values(q.x, h * hd)?,
         values(q.dy, h * hd)?,
         values(q.b, g * n)?,
         values(q.c, g * n)?,
-        states(q.states)?,
-        states(q.dstates)?,
-    ]))
+    ];
+    if s == Ty::Bf16 {
+        maps.extend([states(q.states)?, states(q.dstates)?]);
+    }
+    Ok(Some(maps))
 }
 
 /// Rounds dB's and dC's f32 sums (`len` values each, `db`, `dc`) into `db_out` and `dc_out` of
