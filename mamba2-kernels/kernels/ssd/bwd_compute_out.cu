@@ -673,6 +673,19 @@ __device__ __forceinline__ void products_done(float (&acc)[NJ][4], float (&st)[N
   m2::wgmma_hold(st);
 }
 
+// One warpgroup's products of dB's block from column n1, Aᵀ·C into acc and X·dH' into st, and
+// of dC's, A·B into acc and dY·H into st (descriptors of the A, C, X, dH', B, dY and H tiles).
+__device__ __forceinline__ void db_products(float (&acc)[4][4], float (&st)[4][4], uint64_t aa,
+                                            uint64_t ca, uint64_t xa, uint64_t dha, int n1) {
+  product<4, 1, 1, TOKENS / 16>(acc, aa, 0, 0, ca, 0, n1);
+  product<4, 0, 1, 64 / 16>(st, xa, 0, 0, dha, 0, n1);
+}
+__device__ __forceinline__ void dc_products(float (&acc)[4][4], float (&st)[4][4], uint64_t aa,
+                                            uint64_t ba, uint64_t dya, uint64_t ha, int n1) {
+  product<4, 0, 1, TOKENS / 16>(acc, aa, 0, 0, ba, 0, n1);
+  product<4, 0, 1, 64 / 16>(st, dya, 0, 0, ha, 0, n1);
+}
+
 // Waits, after a barrier of the whole program, for a copy group: by its mbarrier in the `_tma`
 // form (the barrier makes the mbarriers' initialisation visible), else for all but the `LEFT`
 // cp.async groups committed after it.
@@ -898,8 +911,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     float* dc_row = out.dc + q_at;
     float ab[4][4], sb[4][4], ac[4][4], sc[4][4];
     m2::wgmma_fence();
-    product<4, 1, 1, TOKENS / 16>(ab, aa, 0, 0, ca, 0, cw);
-    product<4, 0, 1, P / 16>(sb, xa, 0, 0, dha, 0, cw);
+    db_products(ab, sb, aa, ca, xa, dha, cw);
     m2::wgmma_commit();
 #pragma unroll 1
     for (int nb = 0; nb < NB; ++nb) {
@@ -907,8 +919,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       // dC's block (ahead: before dB's epilogue).
       if constexpr (ahead) {
         m2::wgmma_fence();
-        product<4, 0, 1, TOKENS / 16>(ac, aa, 0, 0, ba, 0, n1);
-        product<4, 0, 1, P / 16>(sc, dya, 0, 0, ha, 0, n1);
+        dc_products(ac, sc, aa, ba, dya, ha, n1);
         m2::wgmma_commit();
       }
       m2::wgmma_wait<ahead ? 1 : 0>();
@@ -918,8 +929,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
                  db_row + 64 * nb, q_in, shared, lane);
       m2::wgmma_fence();
       if constexpr (!ahead) {
-        product<4, 0, 1, TOKENS / 16>(ac, aa, 0, 0, ba, 0, n1);
-        product<4, 0, 1, P / 16>(sc, dya, 0, 0, ha, 0, n1);
+        dc_products(ac, sc, aa, ba, dya, ha, n1);
         m2::wgmma_commit();
         m2::wgmma_wait<0>();
         m2::wgmma_hold(ac);
@@ -928,8 +938,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       }
       // dB's next block, or after the last the trace (ahead: before dC's epilogue).
       if (nb + 1 < NB) {
-        product<4, 1, 1, TOKENS / 16>(ab, aa, 0, 0, ca, 0, n1 + 64);
-        product<4, 0, 1, P / 16>(sb, xa, 0, 0, dha, 0, n1 + 64);
+        db_products(ab, sb, aa, ca, xa, dha, n1 + 64);
       } else {
         product<4, 0, 0, N / 16>(ab, dha, 0, 0, ha, cw, 0);
       }
