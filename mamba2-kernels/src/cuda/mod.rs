@@ -186,13 +186,14 @@ fn info(stream: &Arc<CudaStream>) -> Result<Info> {
         Some(v) => v,
         None => {
             let attr = |a| Ok::<_, candle_core::Error>(ctx.attribute(a).w()? as usize);
+            let major = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
             let v = Info {
                 sms: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
                 max_smem: device_max_smem(ctx)?,
                 l2: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
-                sm90: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 9,
-                sm90a: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? == 9
-                    && attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? == 0,
+                sm90: major >= 9,
+                sm90a: (major, minor) == (9, 0),
             };
             lock()?.info.insert(key, v);
             v
