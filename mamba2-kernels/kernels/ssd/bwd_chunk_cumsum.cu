@@ -4,13 +4,47 @@
 //   dbias[h] = Σ_{b,l} ddt_raw
 // One thread per token of one (batch, head), 256 tokens per program: ddt [B,H,L] f32 in, the
 // raw gradient out as [B,L,H] of dt's type T (contiguous), the bias's by one atomic per program into
-// dbias [H] f32 (null: no bias to differentiate).
+// dbias [H] f32 (null: no bias to differentiate). The first program of each (batch, head) also
+// sums bwd_compute_out's partial sums: A's, da_part [B,H,parts], by one atomic into grad_a [H];
+// and with the first batch row D's per head, dd [H,P] summed over P into d_head [H] (null: D per
+// channel or none). grad_a and dbias start at zero.
 #include "params.cuh"
 
+// The program's sum of v, in thread 0 (blockDim.x a multiple of 32, at most 1024).
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float part[32];
+  v = m2::warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) part[warp] = v;
+  __syncthreads();
+  v = lane < blockDim.x / 32 ? part[lane] : 0.f;
+  return warp == 0 ? m2::warp_sum(v) : 0.f;
+}
+
+// The first program of (batch b, head h): A's partial sums of the pair, D's per head with b = 0.
+__device__ __forceinline__ void head_sums(const float* __restrict__ da_part, int parts,
+                                          float* __restrict__ grad_a, const float* __restrict__ dd,
+                                          float* __restrict__ d_head, int b, int h,
+                                          const m2::SsdParams& d) {
+  const float* row = da_part + (static_cast<size_t>(b) * d.nheads + h) * parts;
+  float a = 0.f;
+  for (int i = threadIdx.x; i < parts; i += blockDim.x) a += row[i];
+  a = block_sum(a);
+  if (threadIdx.x == 0) atomicAdd(&grad_a[h], a);
+  if (!d_head || b != 0) return;
+  float s = 0.f;
+  for (int j = threadIdx.x; j < d.headdim; j += blockDim.x) s += dd[h * d.headdim + j];
+  s = block_sum(s);
+  if (threadIdx.x == 0) d_head[h] = s;
+}
+
 template <typename T>
-__device__ void bwd_chunk_cumsum(const float* __restrict__ ddt,
-                                 T* __restrict__ ddt_raw, float* __restrict__ dbias,
-                                 const m2::SsdSteps& st, const m2::SsdParams& d) {
+__device__ void bwd_chunk_cumsum(const float* __restrict__ ddt, T* __restrict__ ddt_raw,
+                                 float* __restrict__ dbias, const float* __restrict__ da_part,
+                                 int parts, float* __restrict__ grad_a, const float* __restrict__ dd,
+                                 float* __restrict__ d_head, const m2::SsdSteps& st,
+                                 const m2::SsdParams& d) {
   const int L = d.seqlen, H = d.nheads;
   const T* dt = static_cast<const T*>(st.dt);
   const int l = blockIdx.x * blockDim.x + threadIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -25,22 +59,18 @@ __device__ void bwd_chunk_cumsum(const float* __restrict__ ddt,
     g = clamped ? 0.f : ddt[(static_cast<size_t>(b) * H + h) * L + l] * slope;
     ddt_raw[(static_cast<size_t>(b) * L + l) * H + h] = m2::from_f<T>(g);
   }
-  if (!dbias) return;
-  __shared__ float part[32];
-  g = m2::warp_sum(g);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) part[warp] = g;
-  __syncthreads();
-  if (warp == 0) {
-    float v = lane < blockDim.x / 32 ? part[lane] : 0.f;
-    v = m2::warp_sum(v);
-    if (lane == 0) atomicAdd(&dbias[h], v);
+  if (dbias) {
+    g = block_sum(g);
+    if (threadIdx.x == 0) atomicAdd(&dbias[h], g);
   }
+  if (blockIdx.x == 0) head_sums(da_part, parts, grad_a, dd, d_head, b, h, d);
 }
 
 #define BWD_CHUNK_CUMSUM(NAME, T)                                                              \
-  extern "C" __global__ void NAME(const float* ddt, T* ddt_raw, float* dbias, m2::SsdSteps st,   \
+  extern "C" __global__ void NAME(const float* ddt, T* ddt_raw, float* dbias,                  \
+                                  const float* da_part, int parts, float* grad_a,              \
+                                  const float* dd, float* d_head, m2::SsdSteps st,             \
                                   m2::SsdParams d) {                                           \
-    bwd_chunk_cumsum<T>(ddt, ddt_raw, dbias, st, d);                                       \
+    bwd_chunk_cumsum<T>(ddt, ddt_raw, dbias, da_part, parts, grad_a, dd, d_head, st, d);       \
   }
 #include "ssd/bwd_chunk_cumsum.inc"

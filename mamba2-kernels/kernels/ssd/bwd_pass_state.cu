@@ -7,8 +7,8 @@
 // the initial state's gradient dH'_{−1}. Layouts: dy [B,L,H,P], c [B,L,G,N] contiguous, da
 // [B,H,L] f32, dlast and dinit [B,H,P,N] f32 (dlast null: zero), dstates [B,H,C+1,P,N] of S,
 // chunk c in slot c + 1 as the forward's chunk states (slot 0 unused): U_c can then come from
-// the forward's chunk_state_mma instead (dY for x, C for B, exp2(d) for dt, zeros for d), as the
-// launcher does wherever that kernel takes the shape; bwd_chunk_state is the rest's. Its chunks
+// the forward's chunk_state_mma instead (dY for x, C for B, and dt null: weights exp2(d_s)), as
+// the launcher does wherever that kernel takes the shape; bwd_chunk_state is the rest's. Its chunks
 // are 64 tokens; the scan's are d.chunk (64, or 128 after chunk_state_mma).
 #include "params.cuh"
 #include "ssd/warp_tile.cuh"

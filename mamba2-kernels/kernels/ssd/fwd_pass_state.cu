@@ -154,7 +154,9 @@ __device__ __forceinline__ float chunk_steps(const SsdSteps& st, int b, int h, i
 // into swizzled tiles (m2::swz), xᵀ·b is an m16n8k16 chain with ldmatrix.trans for both operands and
 // w_s = exp2(d_last − d_s)·dt_s applied to x's fragments in registers; the tile leaves through
 // shared memory as 16-byte rows.
-// CS: the `_cs` form (stage 1 from `steps`; dt and da unused), else dt/da from chunk_cumsum.
+// CS: the `_cs` form (stage 1 from `steps`; dt and da unused), else dt/da from chunk_cumsum,
+// or with dt null the backward's chunk terms of dstates, Σ_s exp2(d_s)·x_s B_sᵀ (dY for x, C for
+// B; see bwd_pass_state.cu).
 // TMA: the `_tma` form (x and b unused): the tiles come by the tensor maps `tx`, `tb`.
 template <typename T, typename S, int WARPS, int NT, bool CS, bool TMA, bool PACKED>
 __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ bm,
@@ -201,13 +203,21 @@ __device__ void chunk_state_mma(const T* __restrict__ x, const T* __restrict__ b
     raw_steps<T, THREADS, PER>(steps, b, h, l0, len, tv, D);
     ah = steps.a[h];
     bias = steps.bias ? steps.bias[h] : 0.f;
-  } else {
+  } else if (dt) {
     d_last = da[row + l0 + len - 1];
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
       const int i = tid + k * THREADS;
       dv[k] = i < len ? da[row + l0 + i] : 0.f;
       tv[k] = i < len ? dt[row + l0 + i] : 0.f;
+    }
+  } else {
+    // The chunk terms' weights exp2(d_s): d_last = 0, −d_s for d_s, 1 for dt_s.
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int i = tid + k * THREADS;
+      dv[k] = i < len ? -da[row + l0 + i] : 0.f;
+      tv[k] = i < len ? 1.f : 0.f;
     }
   }
   // The tiles arrive in two halves of the chunk (two cp.async groups, or two mbarriers of

@@ -616,8 +616,8 @@ struct CudaHeld {
     chunk: usize,
     state_dtype: DType,
     outputs: Arc<Outputs>,
-    /// The forward's chunk states and their chunk, until the backward takes them.
-    kept: Slot<(Tensor, usize)>,
+    /// What the forward kept for the backward, until the backward takes it.
+    kept: Slot<super::KeptPass>,
 }
 
 #[cfg(feature = "cuda")]

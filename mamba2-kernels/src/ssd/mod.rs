@@ -103,8 +103,8 @@ struct Ssd {
     /// backward computes its own).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     keep: bool,
-    /// The kept chunk states and their chunk.
-    kept: Slot<(Tensor, usize)>,
+    /// What the forward kept for the backward.
+    kept: Slot<KeptPass>,
     /// Sequences packed along L of the one row: each runs from its row of `init` `[S,H,P,N]`
     /// and ends in its row of the final states.
     packed: Option<Packed>,
@@ -360,21 +360,33 @@ pub fn ssd(
 /// recorded op keeps its own).
 #[derive(Debug, Default)]
 pub struct SsdSaved {
-    states: Option<(Tensor, usize)>,
+    kept: Option<KeptPass>,
 }
 
 impl SsdSaved {
     /// Whether the backward will compute the chunk states itself.
     pub fn is_empty(&self) -> bool {
-        self.states.is_none()
+        self.kept.is_none()
     }
 
     /// The bytes held on the device.
     pub fn device_bytes(&self) -> usize {
-        self.states
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        self.kept
             .as_ref()
-            .map_or(0, |(s, _)| s.elem_count() * s.dtype().size_in_bytes())
+            .map_or(0, |k| bytes(&k.states) + bytes(&k.steps))
     }
+}
+
+/// What a CUDA forward keeps for its backward, at `chunk` tokens (the backward's state chunk):
+/// the chunk states `[B,H,C+1,P,N]` of the state dtype and stage 1's step sizes `[2,B,H,L]` f32
+/// (dt_out; da_cumsum), so that the backward forms neither again.
+#[derive(Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct KeptPass {
+    pub states: Tensor,
+    pub steps: Tensor,
+    pub chunk: usize,
 }
 
 /// [`ssd`] for a caller that runs [`ssd_backward_saved`] next (its own backward pass, as a
@@ -439,8 +451,8 @@ fn forward(
         .apply_op3_no_bwd(&b.contiguous()?, &c.contiguous()?, &op)?;
     let last_shape = (dims.batch, dims.nheads, dims.headdim, dims.dstate);
     let last = op.final_state.take("ssd", "final state", last_shape)?;
-    let states = op.kept.take_any("ssd")?;
-    Ok((y, last, SsdSaved { states }))
+    let kept = op.kept.take_any("ssd")?;
+    Ok((y, last, SsdSaved { kept }))
 }
 
 /// [`ssd`] of the sequences packed along L of `x [1,T,H,P]` (`cu_seqlens`, checked) as one call
@@ -601,16 +613,13 @@ pub fn ssd_backward_saved(
     let plain = |t: &Tensor| t.detach();
     let (x, dt, a, b, c, dy) = (plain(x), plain(dt), plain(a), plain(b), plain(c), plain(dy));
     let dlast = dlast.map(plain);
-    if let Some((states, _)) = &saved.states {
-        check::device(op, "saved chunk states", states, &x)?;
+    if let Some(k) = &saved.kept {
+        check::device(op, "saved chunk states", &k.states, &x)?;
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
         let held = |t: &Tensor| t.contiguous();
-        let init = opts
-            .initial_state
-            .map(|s| s.detach().to_dtype(opts.state_dtype)?.contiguous())
-            .transpose()?;
+        let init = opts.initial_state.map(|s| s.detach());
         let f32s = |t: Option<&Tensor>| {
             t.map(|t| t.detach().to_dtype(DType::F32)?.contiguous())
                 .transpose()
@@ -639,7 +648,7 @@ pub fn ssd_backward_saved(
             dlast: dlast.as_ref(),
             dims,
             state_dtype: opts.state_dtype,
-            kept: saved.states,
+            kept: saved.kept,
         })?;
         return Ok(SsdGrads {
             x: g.x,

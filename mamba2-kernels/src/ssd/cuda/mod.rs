@@ -23,17 +23,18 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
-use self::bwd_chunk_cumsum::launch_bwd_stage1;
+use self::bwd_chunk_cumsum::{launch_bwd_stage1, HeadSums};
 use self::bwd_compute_out::{launch_bwd_out, launch_bwd_round, BwdOutPtrs};
 use self::bwd_pass_state::{bwd_state_pass, BwdStatePtrs, TOKENS};
 use self::compute_out::{out_pass, After, OutPtrs};
 use self::fwd_pass_state::{chunk_state_tile, launch_chunk_state, state_pass, PassPtrs, RawSteps};
 use self::params::{PackedPtrs, SsdParams, SsdSteps};
 use crate::check::SsdDims;
-use crate::cuda::{alloc, opt_ptr, ptr, rows_ptr, scratch, ty, written, zeroed, Guards, Held};
+use crate::cuda::{alloc, i, opt_ptr, ptr, rows_ptr, scratch, ty, written, zeroed, Guards, Held};
 use crate::dt::DtRule;
 use crate::seqs::Seqs;
 use crate::ssd::plan::ChunkStateTile;
+use crate::ssd::KeptPass;
 use crate::DtOptions;
 
 /// A candle argument of an op: its storage and layout.
@@ -185,37 +186,45 @@ pub(crate) struct Fused<'a> {
     pub dims: SsdDims,
     pub chunk_size: usize,
     pub state_dtype: DType,
-    /// Keep the chunk states for the backward: the call then runs at the backward's state chunk
-    /// ([`state_chunk`]) and allocates them apart from the scratch buffer.
+    /// Keep the chunk states and stage 1's step sizes for the backward: the call then runs at the
+    /// backward's state chunk ([`state_chunk`]) and allocates them apart from the scratch buffer.
     pub keep: bool,
     /// Sequences packed along L of the one row (`init` and the final states `[S,H,P,N]`): each
     /// sequence's first chunk and each chunk's first token (`dims.chunks` chunks).
     pub packed: Option<(&'a Seqs, &'a Seqs)>,
 }
 
-/// The chunk states an `ssd` call kept for its backward, `[B,H,C+1,P,N]` at `chunk` tokens.
+/// What an `ssd` call kept for its backward at `chunk` tokens: the chunk states `[B,H,C+1,P,N]`
+/// and stage 1's step sizes `[2,B,H,L]` f32.
 pub(crate) struct KeptStates {
     states: CudaStorage,
+    steps: CudaStorage,
     chunk: usize,
 }
 
 impl KeptStates {
-    /// The states as a tensor of the call's dimensions `d`, and their chunk.
-    pub fn into_tensor(self, d: &SsdDims) -> (Tensor, usize) {
-        let shape = (
+    /// Both as tensors of the call's dimensions `d`.
+    pub fn into_tensor(self, d: &SsdDims) -> KeptPass {
+        let wrap = |s: CudaStorage, shape: Shape| {
+            Tensor::from_storage(
+                candle_core::Storage::Cuda(s),
+                shape,
+                candle_core::op::BackpropOp::none(),
+                false,
+            )
+        };
+        let states = (
             d.batch,
             d.nheads,
             d.nchunks(self.chunk) + 1,
             d.headdim,
             d.dstate,
         );
-        let states = Tensor::from_storage(
-            candle_core::Storage::Cuda(self.states),
-            shape,
-            candle_core::op::BackpropOp::none(),
-            false,
-        );
-        (states, self.chunk)
+        KeptPass {
+            states: wrap(self.states, Shape::from(states)),
+            steps: wrap(self.steps, Shape::from((2, d.batch, d.nheads, d.seqlen))),
+            chunk: self.chunk,
+        }
     }
 }
 
@@ -267,17 +276,26 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
         op.chunk_size
     };
     let states_len = d.chunk_states_len(chunk);
-    // [chunk states | dt_out | da_cumsum], each part 256-byte aligned; kept states apart.
-    let mut kept = op.keep.then(|| alloc(dev, st, states_len)).transpose()?;
-    let states_bytes = match kept {
-        Some(_) => 0,
-        None => (states_len * st.size_in_bytes()).next_multiple_of(256),
+    // [chunk states | dt_out | da_cumsum], each part 256-byte aligned; kept, both apart.
+    let mut kept = match op.keep {
+        true => Some((
+            alloc(dev, st, states_len)?,
+            alloc(dev, DType::F32, 2 * bhl)?,
+        )),
+        false => None,
     };
-    let scratch = scratch::take(&stream, states_bytes + 8 * bhl)?;
-    let steps = scratch.ptr() + states_bytes as u64;
-    let states = match &kept {
-        Some(s) => ptr(name, "states", s, &Layout::contiguous(states_len), &stream)?.0,
-        None => scratch.ptr(),
+    let (_scratch, states, steps) = match &kept {
+        Some((s, t)) => (
+            None,
+            ptr(name, "states", s, &Layout::contiguous(states_len), &stream)?.0,
+            ptr(name, "steps", t, &Layout::contiguous(2 * bhl), &stream)?.0,
+        ),
+        None => {
+            let states_bytes = (states_len * st.size_in_bytes()).next_multiple_of(256);
+            let scratch = scratch::take(&stream, states_bytes + 8 * bhl)?;
+            let at = scratch.ptr();
+            (Some(scratch), at, at + states_bytes as u64)
+        }
     };
     let dt_s = dt.cuda(name, "dt")?;
     let (dt_raw, dt_stride, g) = rows_ptr(name, "dt", dt_s, dt.layout, &stream)?;
@@ -343,10 +361,15 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
     drop(guards);
     written(&mut y, &stream)?;
     written(&mut last, &stream)?;
-    if let Some(s) = &mut kept {
+    if let Some((s, t)) = &mut kept {
         written(s, &stream)?;
+        written(t, &stream)?;
     }
-    let kept = kept.map(|states| KeptStates { states, chunk });
+    let kept = kept.map(|(states, steps)| KeptStates {
+        states,
+        steps,
+        chunk,
+    });
     Ok((y, last, kept))
 }
 
@@ -378,8 +401,8 @@ fn state_chunk(
 }
 
 /// The backward's inputs: the forward's tensors (x, b and c contiguous in the value type, `init`
-/// in the state dtype) and the gradients of y (`dy`, contiguous, the value type) and of the final
-/// state (`dlast` f32, `None`: zero).
+/// of any float dtype: it is read only where the chunk states are formed again) and the gradients
+/// of y (`dy`, contiguous, the value type) and of the final state (`dlast` f32, `None`: zero).
 pub(crate) struct Backward<'a> {
     pub x: &'a Tensor,
     pub b: &'a Tensor,
@@ -393,9 +416,9 @@ pub(crate) struct Backward<'a> {
     pub dlast: Option<&'a Tensor>,
     pub dims: SsdDims,
     pub state_dtype: DType,
-    /// The forward's chunk states (`ssd` with `keep`), used where they are at the backward's
-    /// chunk, released once read.
-    pub kept: Option<(Tensor, usize)>,
+    /// What the forward kept (`ssd` with `keep`), used where it is at the backward's chunk,
+    /// released once read.
+    pub kept: Option<KeptPass>,
 }
 
 /// The gradients of [`Backward`]'s inputs: x, b and c (`[B,L,G,N]`) in x's type, raw dt in its
@@ -411,9 +434,9 @@ pub(crate) struct BackwardGrads {
     pub init: Option<Tensor>,
 }
 
-/// The SSD backward on CUDA. Stage 1 is computed again at the chunk of [`state_chunk`] (the
-/// SSD's results do not depend on the chunk), the chunk states too unless the forward kept them
-/// at that chunk. Then the state gradients (bwd_pass_state), each chunk's gradients
+/// The SSD backward on CUDA. Stage 1 and the chunk states are computed again at the chunk of
+/// [`state_chunk`] (the SSD's results do not depend on the chunk) unless the forward kept them at
+/// that chunk. Then the state gradients (bwd_pass_state), each chunk's gradients
 /// (bwd_compute_out, [`TOKENS`] tokens a program) and the dt processing's (bwd_chunk_cumsum).
 pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     let name = "ssd backward";
@@ -434,8 +457,8 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     );
 
     // The chunk terms of dstates by the forward's chunk_state_mma where it takes the shape:
-    // U_c = Σ_t exp2(d_t)·dy_t C_tᵀ is its Σ_s exp2(d_last − d_s)·dt_s·x_s B_sᵀ with d = 0 and
-    // dt = exp2(d).
+    // U_c = Σ_t exp2(d_t)·dy_t C_tᵀ is its Σ_s exp2(d_last − d_s)·dt_s·x_s B_sᵀ with d_last = 0,
+    // −d for d and 1 for dt (its form with dt null).
     let mut terms = PassPtrs {
         x: dy_p,
         b: c_p,
@@ -447,26 +470,48 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     };
     let types = (op.x.dtype(), op.state_dtype);
     let (chunk, tile) = state_chunk(&d, types, &terms, &stream)?;
-    let (dt_out, da) = super::stages::chunk_cumsum(op.dt, op.a, &op.dt_opts, chunk)?;
     let nch = d.nchunks(chunk);
-    let states = match op.kept {
-        Some((states, at)) if at == chunk => {
+    let (dt_out, da, states) = match op.kept {
+        Some(k) if k.chunk == chunk => {
             let shape = [d.batch, d.nheads, nch + 1, d.headdim, d.dstate];
-            if states.dims() != shape || states.dtype() != op.state_dtype {
+            let steps = [2, d.batch, d.nheads, d.seqlen];
+            let (s, t) = (&k.states, &k.steps);
+            if s.dims() != shape || s.dtype() != op.state_dtype {
                 bail!(
                     "{name}: the kept chunk states are {:?} {:?}, not {shape:?} {:?}: they come from another call",
-                    states.dims(),
-                    states.dtype(),
+                    s.dims(),
+                    s.dtype(),
                     op.state_dtype
                 )
             }
-            states
+            if t.dims() != steps || t.dtype() != DType::F32 {
+                bail!(
+                    "{name}: the kept step sizes are {:?} {:?}, not {steps:?} F32: they come from another call",
+                    t.dims(),
+                    t.dtype()
+                )
+            }
+            (t.get(0)?, t.get(1)?, k.states)
         }
-        // States kept at another chunk (the forward chose by x's and b's alignment, this by dY's
-        // and C's) are released before these are formed.
+        // What was kept at another chunk (the forward chose by x's and b's alignment, this by dY's
+        // and C's) is released before these are formed.
         other => {
             drop(other);
-            super::stages::fwd_pass_state(op.x, op.b, &dt_out, &da, op.init, chunk, op.state_dtype)?
+            let (dt_out, da) = super::stages::chunk_cumsum(op.dt, op.a, &op.dt_opts, chunk)?;
+            let init = op
+                .init
+                .map(|s| s.to_dtype(op.state_dtype)?.contiguous())
+                .transpose()?;
+            let states = super::stages::fwd_pass_state(
+                op.x,
+                op.b,
+                &dt_out,
+                &da,
+                init.as_ref(),
+                chunk,
+                op.state_dtype,
+            )?;
+            (dt_out, da, states)
         }
     };
     let p = SsdParams::new(&d, chunk)?;
@@ -480,14 +525,10 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     let mut dstates = alloc(dev, op.state_dtype, slots)?;
     let dstates_p = ptr(name, "dstates", &dstates, &contiguous(slots), &stream)?.0;
     terms.states = dstates_p;
+    let da_p = hda.ptr(name, "da_cumsum", &stream, &mut guards)?;
     if let Some(tile) = &tile {
-        // The weights live only as long as this launch needs them.
-        let zeros = Tensor::zeros(da.shape(), DType::F32, op.x.device())?;
-        let exp2 = (&da * std::f64::consts::LN_2)?.exp()?;
-        let (hz, he) = (Held::new(&zeros), Held::new(&exp2));
-        let mut weight_guards = Guards::new();
-        terms.da = hz.ptr(name, "zero cumulative sums", &stream, &mut weight_guards)?;
-        terms.dt = he.ptr(name, "exp2(da_cumsum)", &stream, &mut weight_guards)?;
+        // dt null: the kernel's weights are exp2(d_s), its chunk terms of dstates.
+        terms.da = da_p;
         launch_chunk_state(&d, chunk, tile, types, &terms, None, &stream)?;
     }
     let mut dinit = op
@@ -497,7 +538,7 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     let q = BwdStatePtrs {
         dy: dy_p,
         c: c_p,
-        da: hda.ptr(name, "da_cumsum", &stream, &mut guards)?,
+        da: da_p,
         dlast: opt_ptr(name, "final state gradient", &hlast, &stream, &mut guards)?,
         dstates: dstates_p,
         dinit: match &dinit {
@@ -521,8 +562,18 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     let mut ddt = alloc(dev, DType::F32, bh * d.seqlen)?;
     let parts = d.nchunks(TOKENS);
     let mut da_part = alloc(dev, DType::F32, bh * parts)?;
-    let d_len = d.nheads * d.headdim;
-    let mut dd = op.d.map(|_| zeroed(dev, DType::F32, d_len)).transpose()?;
+    // The sums that start at zero, one buffer: A's gradient [H], dt_bias's [H], D's per channel
+    // [H,P] (bwd_compute_out's atomics) and, with D per head, their sums over P [H].
+    let (h, pd) = (d.nheads, d.headdim);
+    let (dd_len, head_len) = match op.d {
+        Some(t) if t.rank() == 2 => (h * pd, 0),
+        Some(_) => (h * pd, h),
+        None => (0, 0),
+    };
+    let small_len = 2 * h + dd_len + head_len;
+    let mut small = zeroed(dev, DType::F32, small_len)?;
+    let small_p = ptr(name, "sums", &small, &contiguous(small_len), &stream)?.0;
+    let small_at = |i: usize, len: usize| if len > 0 { small_p + 4 * i as u64 } else { 0 };
     let mut p_out = p;
     p_out.d_per_channel = op.d.is_some_and(|t| t.rank() == 2) as i32;
     let q = BwdOutPtrs {
@@ -536,22 +587,12 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
         dstates: q.dstates,
         dskip: opt_ptr(name, "D", &hd, &stream, &mut guards)?,
         a: ha.ptr(name, "a", &stream, &mut guards)?,
-        dx: ptr(
-            name,
-            "dx",
-            &dx,
-            &contiguous(bl * d.nheads * d.headdim),
-            &stream,
-        )?
-        .0,
+        dx: ptr(name, "dx", &dx, &contiguous(bl * h * pd), &stream)?.0,
         db: ptr(name, "db", &db, &contiguous(bl * gn), &stream)?.0,
         dc: ptr(name, "dc", &dc, &contiguous(bl * gn), &stream)?.0,
         ddt: ptr(name, "ddt", &ddt, &contiguous(bh * d.seqlen), &stream)?.0,
         da_part: ptr(name, "da_part", &da_part, &contiguous(bh * parts), &stream)?.0,
-        dd: match &dd {
-            Some(s) => ptr(name, "dd", s, &contiguous(d_len), &stream)?.0,
-            None => 0,
-        },
+        dd: small_at(2 * h, dd_len),
     };
     launch_bwd_out(&p_out, (vt, st), &q, &stream)?;
 
@@ -566,21 +607,20 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
         0,
     );
     let dt_type = op.dt.dtype();
-    let mut ddt_raw = alloc(dev, dt_type, bl * d.nheads)?;
-    let mut dbias = zeroed(dev, DType::F32, d.nheads)?;
+    let mut ddt_raw = alloc(dev, dt_type, bl * h)?;
     let ptrs = (
         q.ddt,
-        ptr(
-            name,
-            "ddt_raw",
-            &ddt_raw,
-            &contiguous(bl * d.nheads),
-            &stream,
-        )?
-        .0,
-        ptr(name, "dbias", &dbias, &contiguous(d.nheads), &stream)?.0,
+        ptr(name, "ddt_raw", &ddt_raw, &contiguous(bl * h), &stream)?.0,
+        small_at(h, h),
     );
-    launch_bwd_stage1(&p, &steps, ty(name, dt_type)?, ptrs, &stream)?;
+    let sums = HeadSums {
+        da_part: q.da_part,
+        parts: i(parts)?,
+        grad_a: small_at(0, h),
+        dd: q.dd,
+        d_head: small_at(2 * h + dd_len, head_len),
+    };
+    launch_bwd_stage1(&p, &steps, ty(name, dt_type)?, ptrs, &sums, &stream)?;
     drop(guards);
     drop(io_guards);
 
@@ -591,14 +631,14 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
         &mut dc,
         &mut ddt,
         &mut da_part,
+        &mut small,
+        &mut ddt_raw,
     ] {
         written(s, &stream)?;
     }
-    for s in [&mut dinit, &mut dd].into_iter().flatten() {
+    if let Some(s) = &mut dinit {
         written(s, &stream)?;
     }
-    written(&mut ddt_raw, &stream)?;
-    written(&mut dbias, &stream)?;
     // 16-bit values: dB's and dC's f32 sums rounded to the value type, into buffers taken once
     // the states and their gradients are released (the call's peak memory stays theirs).
     drop(hstates);
@@ -631,26 +671,20 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
             false,
         )
     };
-    let (bsz, l, h, pd, g, n) = (d.batch, d.seqlen, d.nheads, d.headdim, d.ngroups, d.dstate);
-    let a_grad = wrap(da_part, Shape::from((bsz, h, parts))).sum((0, 2))?;
-    let d_grad = match (dd, op.d) {
-        (Some(s), Some(t)) => {
-            let per_channel = wrap(s, Shape::from((h, pd)));
-            Some(if t.rank() == 2 {
-                per_channel
-            } else {
-                per_channel.sum(1)?
-            })
-        }
-        _ => None,
+    let (bsz, l, g, n) = (d.batch, d.seqlen, d.ngroups, d.dstate);
+    let small = wrap(small, Shape::from(small_len));
+    let d_grad = match op.d {
+        Some(t) if t.rank() == 2 => Some(small.narrow(0, 2 * h, dd_len)?.reshape(t.shape())?),
+        Some(t) => Some(small.narrow(0, 2 * h + dd_len, h)?.reshape(t.shape())?),
+        None => None,
     };
     Ok(BackwardGrads {
         x: wrap(dx, Shape::from((bsz, l, h, pd))),
         b: wrap(db, Shape::from((bsz, l, g, n))),
         c: wrap(dc, Shape::from((bsz, l, g, n))),
         dt: wrap(ddt_raw, Shape::from((bsz, l, h))),
-        a: a_grad,
-        bias: wrap(dbias, Shape::from(h)),
+        a: small.narrow(0, 0, h)?,
+        bias: small.narrow(0, h, h)?,
         d: d_grad,
         init: dinit.map(|s| wrap(s, Shape::from((bsz, h, pd, n)))),
     })
