@@ -632,7 +632,7 @@ impl std::fmt::Debug for CudaHeld {
 #[cfg(feature = "cuda")]
 impl CudaHeld {
     /// Runs the SSD, leaves y and the final state in the outputs' slots and keeps the chunk
-    /// states for the backward.
+    /// states and step sizes for the backward.
     fn forward(&self) -> Result<()> {
         let (xs, xl) = self.x.storage_and_layout();
         let (bs, bl) = self.b.storage_and_layout();

@@ -22,7 +22,7 @@
 //! softplus and the dt_limit clamp), a, b, c, D, z and the initial state, from those of y and the
 //! final state; it runs on the CPU and on CUDA (the `bwd_*` kernels: programs of 64 tokens, the
 //! state passes at chunks of 128 or 64; the recorded forward runs at that chunk and keeps its
-//! chunk states for them), and [`ssd_backward`] is the same backward without autograd
+//! chunk states and step sizes for them), and [`ssd_backward`] is the same backward without autograd
 //! ([`ssd_saving`] + [`ssd_backward_saved`] with the states kept). Otherwise:
 //! on the CPU `ssd` runs the three stages' functions (`cpu`); on CUDA one launcher queues the
 //! kernels of all three back to back (`cuda`: stage 1 inside the state pass's first kernel where
@@ -99,8 +99,8 @@ struct Ssd {
     chunk_size: usize,
     state_dtype: DType,
     final_state: Slot,
-    /// Keep the chunk states for the backward, left in `kept` (the CUDA forward's: the CPU
-    /// backward computes its own).
+    /// Keep the chunk states and step sizes for the backward, left in `kept` (the CUDA
+    /// forward's: the CPU backward computes its own).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     keep: bool,
     /// What the forward kept for the backward.
@@ -355,7 +355,8 @@ pub fn ssd(
 }
 
 /// What [`ssd_saving`] keeps of its forward for [`ssd_backward_saved`]: on CUDA, the chunk states
-/// at the chunk the backward reads them, so that the backward does not compute them again. Empty
+/// and stage 1's step sizes at the chunk the backward reads them, so that the backward does not
+/// compute them again. Empty
 /// on the CPU (its backward computes what it needs) and for calls that record gradients (the
 /// recorded op keeps its own).
 #[derive(Debug, Default)]
@@ -390,11 +391,12 @@ pub(crate) struct KeptPass {
 }
 
 /// [`ssd`] for a caller that runs [`ssd_backward_saved`] next (its own backward pass, as a
-/// training step does): the same outputs, and the chunk states kept for the backward, which then
-/// skips computing them again (a state pass). On CUDA the call runs at the backward's chunk (128
-/// or 64 tokens) whatever `opts.chunk_size`: the results do not depend on the chunk beyond
-/// rounding. The states take `B·H·(⌈L/chunk⌉+1)·P·N` elements of the state dtype
-/// ([`SsdSaved::device_bytes`]) until the backward releases them.
+/// training step does): the same outputs, and the chunk states and step sizes kept for the
+/// backward, which then skips computing them again (stage 1 and a state pass). On CUDA the call
+/// runs at the backward's chunk (128 or 64 tokens) whatever `opts.chunk_size`: the results do not
+/// depend on the chunk beyond rounding. The states take `B·H·(⌈L/chunk⌉+1)·P·N` elements of the
+/// state dtype and the step sizes `2·B·H·L` f32 ([`SsdSaved::device_bytes`]) until the backward
+/// releases them.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};

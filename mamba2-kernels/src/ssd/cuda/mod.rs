@@ -3,8 +3,8 @@
 //! in the stream's scratch buffer. One launcher per `.cu` file of `kernels/ssd/`:
 //! [`chunk_cumsum`](mod@chunk_cumsum), [`fwd_pass_state`](mod@fwd_pass_state) (the state pass)
 //! and [`compute_out`](mod@compute_out); their parameters in [`params`]. The backward,
-//! [`ssd_backward`], runs stage 1 and the state pass again at chunks of 128 or 64 tokens, then the
-//! three backward kernels' launchers: [`bwd_pass_state`](mod@bwd_pass_state),
+//! [`ssd_backward`], runs stage 1 and the state pass again at chunks of 128 or 64 tokens unless
+//! the forward kept them at that chunk, then the three backward kernels' launchers: [`bwd_pass_state`](mod@bwd_pass_state),
 //! [`bwd_compute_out`](mod@bwd_compute_out) and [`bwd_chunk_cumsum`](mod@bwd_chunk_cumsum).
 
 mod bwd_chunk_cumsum;
