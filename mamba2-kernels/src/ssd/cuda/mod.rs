@@ -30,7 +30,9 @@ use self::compute_out::{out_pass, After, OutPtrs};
 use self::fwd_pass_state::{chunk_state_tile, launch_chunk_state, state_pass, PassPtrs, RawSteps};
 use self::params::{PackedPtrs, SsdParams, SsdSteps};
 use crate::check::SsdDims;
-use crate::cuda::{alloc, i, opt_ptr, ptr, rows_ptr, scratch, ty, written, zeroed, Guards, Held};
+use crate::cuda::{
+    alloc, i, opt_ptr, ptr, rows_ptr, scratch, tensor, ty, written, zeroed, Guards, Held,
+};
 use crate::dt::DtRule;
 use crate::seqs::Seqs;
 use crate::ssd::plan::ChunkStateTile;
@@ -205,14 +207,6 @@ pub(crate) struct KeptStates {
 impl KeptStates {
     /// Both as tensors of the call's dimensions `d`.
     pub fn into_tensor(self, d: &SsdDims) -> KeptPass {
-        let wrap = |s: CudaStorage, shape: Shape| {
-            Tensor::from_storage(
-                candle_core::Storage::Cuda(s),
-                shape,
-                candle_core::op::BackpropOp::none(),
-                false,
-            )
-        };
         let states = (
             d.batch,
             d.nheads,
@@ -221,8 +215,8 @@ impl KeptStates {
             d.dstate,
         );
         KeptPass {
-            states: wrap(self.states, Shape::from(states)),
-            steps: wrap(self.steps, Shape::from((2, d.batch, d.nheads, d.seqlen))),
+            states: tensor(self.states, states),
+            steps: tensor(self.steps, (2, d.batch, d.nheads, d.seqlen)),
             chunk: self.chunk,
         }
     }
@@ -663,29 +657,21 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
             (b_out, c_out)
         }
     };
-    let wrap = |s: CudaStorage, shape: Shape| {
-        Tensor::from_storage(
-            candle_core::Storage::Cuda(s),
-            shape,
-            candle_core::op::BackpropOp::none(),
-            false,
-        )
-    };
     let (bsz, l, g, n) = (d.batch, d.seqlen, d.ngroups, d.dstate);
-    let small = wrap(small, Shape::from(small_len));
+    let small = tensor(small, small_len);
     let d_grad = match op.d {
         Some(t) if t.rank() == 2 => Some(small.narrow(0, 2 * h, dd_len)?.reshape(t.shape())?),
         Some(t) => Some(small.narrow(0, 2 * h + dd_len, h)?.reshape(t.shape())?),
         None => None,
     };
     Ok(BackwardGrads {
-        x: wrap(dx, Shape::from((bsz, l, h, pd))),
-        b: wrap(db, Shape::from((bsz, l, g, n))),
-        c: wrap(dc, Shape::from((bsz, l, g, n))),
-        dt: wrap(ddt_raw, Shape::from((bsz, l, h))),
+        x: tensor(dx, (bsz, l, h, pd)),
+        b: tensor(db, (bsz, l, g, n)),
+        c: tensor(dc, (bsz, l, g, n)),
+        dt: tensor(ddt_raw, (bsz, l, h)),
         a: small.narrow(0, 0, h)?,
         bias: small.narrow(0, h, h)?,
         d: d_grad,
-        init: dinit.map(|s| wrap(s, Shape::from((bsz, h, pd, n)))),
+        init: dinit.map(|s| tensor(s, (bsz, h, pd, n))),
     })
 }
