@@ -100,6 +100,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The program's sum of v, in every thread, through `red` (shared, one float per warp; blockDim.x
+// a multiple of 32). Every thread of the program calls it; the first barrier lets a caller reuse
+// `red` right after a previous call.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float s = lane < warps ? red[lane] : 0.f;
+  return warp_sum(s);
+}
+
 // ---- cp.async: global -> shared copies, zero-filled when `valid` is false ----
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));

@@ -14,16 +14,6 @@
 
 namespace {
 
-__device__ __forceinline__ float block_sum(float v, float* red) {
-  v = m2::warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  __syncthreads();
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float s = lane < warps ? red[lane] : 0.f;
-  return m2::warp_sum(s);
-}
-
 // The values f(i) and weights w[i] of a row's elements tid + j·blockDim (j < V) into registers,
 // 0 from `len` on; returns the thread's sum of squares of the values.
 template <int V, typename T, typename F>
@@ -59,7 +49,7 @@ __device__ void gated_rms_norm(const T* __restrict__ x, const T* __restrict__ z,
   if constexpr (V > 0) {
     float g[V], wv[V];
     ss = gather<V>(gate, w + g0, group, g, wv);
-    const float scale = rsqrtf(block_sum(ss, red) / group + eps);
+    const float scale = rsqrtf(m2::block_sum(ss, red) / group + eps);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
@@ -70,7 +60,7 @@ __device__ void gated_rms_norm(const T* __restrict__ x, const T* __restrict__ z,
       const float g = gate(i);
       ss += g * g;
     }
-    const float scale = rsqrtf(block_sum(ss, red) / group + eps);
+    const float scale = rsqrtf(m2::block_sum(ss, red) / group + eps);
     for (int i = threadIdx.x; i < group; i += blockDim.x)
       yr[i] = m2::from_f<T>(gate(i) * scale * m2::to_f(w[g0 + i]));
   }
@@ -94,7 +84,7 @@ __device__ void add_rms_norm(const T* __restrict__ x, const R* __restrict__ res,
       const int i = threadIdx.x + j * blockDim.x;
       if (i < D) res_out[row * D + i] = m2::from_f<R>(r[j]);
     }
-    const float scale = rsqrtf(block_sum(ss, red) / D + eps);
+    const float scale = rsqrtf(m2::block_sum(ss, red) / D + eps);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
@@ -106,7 +96,7 @@ __device__ void add_rms_norm(const T* __restrict__ x, const R* __restrict__ res,
       res_out[row * D + i] = m2::from_f<R>(r);
       ss += r * r;
     }
-    const float scale = rsqrtf(block_sum(ss, red) / D + eps);
+    const float scale = rsqrtf(m2::block_sum(ss, red) / D + eps);
     for (int i = threadIdx.x; i < D; i += blockDim.x)
       y[row * D + i] = m2::from_f<T>(sum(i) * scale * m2::to_f(w[i]));
   }
@@ -134,7 +124,7 @@ __device__ void gated_rms_norm_vec(const T* __restrict__ x, const T* __restrict_
       ss += g[e] * g[e];
     }
   }
-  const float scale = rsqrtf(block_sum(ss, red) / group + eps);
+  const float scale = rsqrtf(m2::block_sum(ss, red) / group + eps);
   if (live) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) g[e] *= scale * wv[e];
@@ -164,7 +154,7 @@ __device__ void add_rms_norm_vec(const T* __restrict__ x, const R* __restrict__ 
 #pragma unroll
     for (int e = 0; e < 8; ++e) ss += r[e] * r[e];
   }
-  const float scale = rsqrtf(block_sum(ss, red) / D + eps);
+  const float scale = rsqrtf(m2::block_sum(ss, red) / D + eps);
   if (live) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) r[e] *= scale * wv[e];

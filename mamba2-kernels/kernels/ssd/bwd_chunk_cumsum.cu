@@ -10,32 +10,21 @@
 // channel or none). grad_a and dbias start at zero.
 #include "params.cuh"
 
-// The program's sum of v, in thread 0 (blockDim.x a multiple of 32, at most 1024).
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float part[32];
-  v = m2::warp_sum(v);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  v = lane < blockDim.x / 32 ? part[lane] : 0.f;
-  return warp == 0 ? m2::warp_sum(v) : 0.f;
-}
-
-// The first program of (batch b, head h): A's partial sums of the pair, D's per head with b = 0.
+// The first program of (batch b, head h): A's partial sums of the pair, D's per head with b = 0
+// (`red`: shared, one float per warp).
 __device__ __forceinline__ void head_sums(const float* __restrict__ da_part, int parts,
                                           float* __restrict__ grad_a, const float* __restrict__ dd,
                                           float* __restrict__ d_head, int b, int h,
-                                          const m2::SsdParams& d) {
+                                          const m2::SsdParams& d, float* red) {
   const float* row = da_part + (static_cast<size_t>(b) * d.nheads + h) * parts;
   float a = 0.f;
   for (int i = threadIdx.x; i < parts; i += blockDim.x) a += row[i];
-  a = block_sum(a);
+  a = m2::block_sum(a, red);
   if (threadIdx.x == 0) atomicAdd(&grad_a[h], a);
   if (!d_head || b != 0) return;
   float s = 0.f;
   for (int j = threadIdx.x; j < d.headdim; j += blockDim.x) s += dd[h * d.headdim + j];
-  s = block_sum(s);
+  s = m2::block_sum(s, red);
   if (threadIdx.x == 0) d_head[h] = s;
 }
 
@@ -59,11 +48,12 @@ __device__ void bwd_chunk_cumsum(const float* __restrict__ ddt, T* __restrict__ 
     g = clamped ? 0.f : ddt[(static_cast<size_t>(b) * H + h) * L + l] * slope;
     ddt_raw[(static_cast<size_t>(b) * L + l) * H + h] = m2::from_f<T>(g);
   }
+  __shared__ float red[32];
   if (dbias) {
-    g = block_sum(g);
+    g = m2::block_sum(g, red);
     if (threadIdx.x == 0) atomicAdd(&dbias[h], g);
   }
-  if (blockIdx.x == 0) head_sums(da_part, parts, grad_a, dd, d_head, b, h, d);
+  if (blockIdx.x == 0) head_sums(da_part, parts, grad_a, dd, d_head, b, h, d, red);
 }
 
 #define BWD_CHUNK_CUMSUM(NAME, T)                                                              \

@@ -22,8 +22,8 @@
 //! softplus and the dt_limit clamp), a, b, c, D, z and the initial state, from those of y and the
 //! final state; it runs on the CPU and on CUDA (the `bwd_*` kernels: programs of 64 tokens, the
 //! state passes at chunks of 128 or 64; the recorded forward runs at that chunk and keeps its
-//! chunk states and step sizes for them), and [`ssd_backward`] is the same backward without autograd
-//! ([`ssd_saving`] + [`ssd_backward_saved`] with the states kept). Otherwise:
+//! chunk states and step sizes for them), and [`ssd_backward`] is the same backward without
+//! autograd ([`ssd_saving`] + [`ssd_backward_saved`] with the states kept). Otherwise:
 //! on the CPU `ssd` runs the three stages' functions (`cpu`); on CUDA one launcher queues the
 //! kernels of all three back to back (`cuda`: stage 1 inside the state pass's first kernel where
 //! it pays, the intermediates in scratch memory kept per stream), so that a call spends little
@@ -356,9 +356,8 @@ pub fn ssd(
 
 /// What [`ssd_saving`] keeps of its forward for [`ssd_backward_saved`]: on CUDA, the chunk states
 /// and stage 1's step sizes at the chunk the backward reads them, so that the backward does not
-/// compute them again. Empty
-/// on the CPU (its backward computes what it needs) and for calls that record gradients (the
-/// recorded op keeps its own).
+/// compute them again. Empty on the CPU (its backward computes what it needs) and for calls that
+/// record gradients (the recorded op keeps its own).
 #[derive(Debug, Default)]
 pub struct SsdSaved {
     kept: Option<KeptPass>,

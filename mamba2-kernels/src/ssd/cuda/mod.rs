@@ -4,8 +4,9 @@
 //! [`chunk_cumsum`](mod@chunk_cumsum), [`fwd_pass_state`](mod@fwd_pass_state) (the state pass)
 //! and [`compute_out`](mod@compute_out); their parameters in [`params`]. The backward,
 //! [`ssd_backward`], runs stage 1 and the state pass again at chunks of 128 or 64 tokens unless
-//! the forward kept them at that chunk, then the three backward kernels' launchers: [`bwd_pass_state`](mod@bwd_pass_state),
-//! [`bwd_compute_out`](mod@bwd_compute_out) and [`bwd_chunk_cumsum`](mod@bwd_chunk_cumsum).
+//! the forward kept them at that chunk, then the three backward kernels' launchers:
+//! [`bwd_pass_state`](mod@bwd_pass_state), [`bwd_compute_out`](mod@bwd_compute_out) and
+//! [`bwd_chunk_cumsum`](mod@bwd_chunk_cumsum).
 
 mod bwd_chunk_cumsum;
 mod bwd_compute_out;
@@ -271,12 +272,13 @@ pub(super) fn ssd(op: &Fused) -> Result<(CudaStorage, CudaStorage, Option<KeptSt
     };
     let states_len = d.chunk_states_len(chunk);
     // [chunk states | dt_out | da_cumsum], each part 256-byte aligned; kept, both apart.
-    let mut kept = match op.keep {
-        true => Some((
+    let mut kept = if op.keep {
+        Some((
             alloc(dev, st, states_len)?,
             alloc(dev, DType::F32, 2 * bhl)?,
-        )),
-        false => None,
+        ))
+    } else {
+        None
     };
     let (_scratch, states, steps) = match &kept {
         Some((s, t)) => (
