@@ -330,6 +330,20 @@ __device__ __forceinline__ void row_scales(const Sums& s, float g_last, int m0, 
   }
 }
 
+// One lane's quad of dB or dC into f32 memory at p: a 16-byte atomic add (`shared`: the group's
+// heads add into it) or store, nothing where its row lies past the sequence.
+__device__ __forceinline__ void quad_out(const float4& f, float* p, bool row_in, bool shared) {
+  if (!row_in) return;
+  float4* q = reinterpret_cast<float4*>(p);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (shared) {
+    atomicAdd(q, f);
+    return;
+  }
+#endif
+  *q = f;
+}
+
 // Tile j of dB (or, `ctile`, dC) at rows m0.. and the columns from n1: acc + scale·st, where for
 // dB acc = Aᵀ·C, st = X·dH', scale = r; for dC acc = A·B, st = dY·H, scale = exp2(d) and st·c is
 // added to yc (dy·(H C) per token).
@@ -370,27 +384,25 @@ __device__ __forceinline__ void grad_cols(const float (&acc)[NJ][4], const float
 // compiled in, a multiple of 64): the lane's quad of tile j goes to `row` + 8·j, `row` its row
 // of the output from column n1 + quad_col, one 16-byte store or atomic add, none where that row
 // lies past the sequence (`row_in`). No bounds or alignment tests per tile, and one row pointer
-// per output instead of one address per tile.
-template <int NJ, typename T, typename Idx>
+// per output instead of one address per tile. With LATE, every tile's values and pair swap come
+// before the first store: a store through a generic pointer may alias the C tile's shared
+// memory, so otherwise each tile's loads and shuffles start only once the tile before is stored.
+template <bool LATE, int NJ, typename T, typename Idx>
 __device__ __forceinline__ void grad_quads(const float (&acc)[NJ][4], const float (&st)[NJ][4],
                                            const float (&scale)[2], int m0, int n1,
                                            const T* ctile, Idx at, float (&yc)[2], float* row,
                                            bool row_in, bool shared, int lane) {
+  float4 f[NJ];
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
     float v[4];
     grad_tile(v, acc, st, scale, j, m0, n1, ctile, at, yc, lane);
-    const float4 f = m2::swap_quad(v, lane);
-    float4* p = reinterpret_cast<float4*>(row + 8 * j);
-    if (!row_in) continue;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (shared) {
-      atomicAdd(p, f);
-      continue;
-    }
-#endif
-    *p = f;
+    f[j] = m2::swap_quad(v, lane);
+    if constexpr (!LATE) quad_out(f[j], row + 8 * j, row_in, shared);
   }
+  if constexpr (LATE)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) quad_out(f[j], row + 8 * j, row_in, shared);
 }
 
 // This thread's part of ⟨dH', H⟩ over [rows, cols] of two tiles of equal layout (rows `ld`
@@ -898,6 +910,9 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   // entries among their accumulators). Where the registers allow (`ahead`), each epilogue runs
   // with the next products already issued, the tensor cores working under it.
   constexpr bool ahead = min_programs<bf16>(N) < 3;
+  // Each epilogue's stores after all its tiles where two programs share an SM; with three (N =
+  // 64) all tiles' values do not fit the registers, and with one (N = 256) it measured slower.
+  constexpr bool late = min_programs<bf16>(N) == 2;
   float dot = 0.f;
   {
     float yc[2] = {0.f, 0.f}, rs[2], eg[2];
@@ -925,7 +940,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       m2::wgmma_wait<ahead ? 1 : 0>();
       m2::wgmma_hold(ab);
       m2::wgmma_hold(sb);
-      grad_quads(ab, sb, rs, m0, n1, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
+      grad_quads<late>(ab, sb, rs, m0, n1, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
                  db_row + 64 * nb, q_in, shared, lane);
       m2::wgmma_fence();
       if constexpr (!ahead) {
@@ -948,7 +963,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
         m2::wgmma_hold(ac);
         m2::wgmma_hold(sc);
       }
-      grad_quads(ac, sc, eg, m0, n1, static_cast<const bf16*>(cs), Swizzled{}, yc,
+      grad_quads<late>(ac, sc, eg, m0, n1, static_cast<const bf16*>(cs), Swizzled{}, yc,
                  dc_row + 64 * nb, q_in, shared, lane);
     }
     add_rows(sums.dyhc, yc, m0, cw, lane);
