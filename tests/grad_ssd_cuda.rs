@@ -376,6 +376,21 @@ fn bf16_gradients_match_the_cpu() -> Result<()> {
             state_dtype: DType::BF16,
             ..BASE
         },
+        // Sixteen heads adding into one group's dB and dC at N = 64, the sequences ending 22
+        // tokens into a program.
+        Case {
+            nheads: 16,
+            ngroups: 1,
+            state_dtype: DType::BF16,
+            ..BASE
+        },
+        // Two groups of eight heads at N = 256 with f32 states, ending 13 tokens into a program.
+        Case {
+            seqlen: 333,
+            nheads: 16,
+            dstate: 256,
+            ..BASE
+        },
     ];
     check_cases(&cases, 31, DType::BF16)
 }
