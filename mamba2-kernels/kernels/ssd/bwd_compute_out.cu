@@ -925,12 +925,16 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
     float* db_row = out.db + q_at;
     float* dc_row = out.dc + q_at;
     float ab[4][4], sb[4][4], ac[4][4], sc[4][4];
+    // Block k of this program is block (k + h) mod NB of the output: of a group's heads, which
+    // run side by side, fewer add into the same lines of dB and dC at a time.
+    const int rot = at.h % NB;
+    auto block_col = [&](int k) { return 64 * ((k + rot) % NB); };
     m2::wgmma_fence();
-    db_products(ab, sb, aa, ca, xa, dha, cw);
+    db_products(ab, sb, aa, ca, xa, dha, block_col(0) + cw);
     m2::wgmma_commit();
 #pragma unroll 1
     for (int nb = 0; nb < NB; ++nb) {
-      const int n1 = 64 * nb + cw;
+      const int n0 = block_col(nb), n1 = n0 + cw;
       // dC's block (ahead: before dB's epilogue).
       if constexpr (ahead) {
         m2::wgmma_fence();
@@ -941,7 +945,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       m2::wgmma_hold(ab);
       m2::wgmma_hold(sb);
       grad_quads<late>(ab, sb, rs, m0, n1, static_cast<const bf16*>(nullptr), Swizzled{}, yc,
-                 db_row + 64 * nb, q_in, shared, lane);
+                 db_row + n0, q_in, shared, lane);
       m2::wgmma_fence();
       if constexpr (!ahead) {
         dc_products(ac, sc, aa, ba, dya, ha, n1);
@@ -953,7 +957,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
       }
       // dB's next block, or after the last the trace (ahead: before dC's epilogue).
       if (nb + 1 < NB) {
-        db_products(ab, sb, aa, ca, xa, dha, n1 + 64);
+        db_products(ab, sb, aa, ca, xa, dha, block_col(nb + 1) + cw);
       } else {
         product<4, 0, 0, N / 16>(ab, dha, 0, 0, ha, cw, 0);
       }
@@ -964,7 +968,7 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
         m2::wgmma_hold(sc);
       }
       grad_quads<late>(ac, sc, eg, m0, n1, static_cast<const bf16*>(cs), Swizzled{}, yc,
-                 dc_row + 64 * nb, q_in, shared, lane);
+                 dc_row + n0, q_in, shared, lane);
     }
     add_rows(sums.dyhc, yc, m0, cw, lane);
     m2::wgmma_wait<0>();
