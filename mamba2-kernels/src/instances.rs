@@ -259,9 +259,20 @@ pub fn bwd_compute_out(t: Ty, s: Ty, fixed: Option<(usize, usize)>) -> String {
 }
 
 /// bwd_compute_out's wgmma form with its tiles copied by tensor map (the states too where `s` is
-/// bf16): bf16 values, P = 64 and `n`, one of [`BWD_COMPUTE_OUT_FIXED`]'s N, compiled in (sm_90a).
-pub fn bwd_compute_out_tma(s: Ty, n: usize) -> String {
-    format!("bwd_compute_out_tma_bf16_{}_p64_n{n}", s.name())
+/// bf16): bf16 values, P = 64 and `n`, one of [`BWD_COMPUTE_OUT_FIXED`]'s N, compiled in (sm_90a);
+/// `bc` false: without dB and dC, which bwd_bc forms.
+pub fn bwd_compute_out_tma(s: Ty, n: usize, bc: bool) -> String {
+    let rest = if bc { "" } else { "_no_bc" };
+    format!("bwd_compute_out_tma_bf16_{}_p64_n{n}{rest}", s.name())
+}
+
+/// The N that bwd_bc has kernels for (P = 64, bf16 values, chunks of 128 tokens).
+pub const BWD_BC_DSTATES: [usize; 2] = [128, 256];
+
+/// dB and dC summed over each group's heads in one program (sm_90a): bf16 values, states of
+/// type `s`, P = 64 and `n`, one of [`BWD_BC_DSTATES`], compiled in.
+pub fn bwd_bc(s: Ty, n: usize) -> String {
+    format!("bwd_bc_bf16_{}_p64_n{n}", s.name())
 }
 
 /// dB's and dC's f32 sums rounded to the 16-bit value type `t`, after bwd_compute_out.
@@ -647,8 +658,31 @@ pub fn instances() -> Vec<Instance> {
             (Ty::Bf16, "BWD_COMPUTE_OUT_TMA"),
             (Ty::F32, "BWD_COMPUTE_OUT_TMA_F32"),
         ] {
-            let name = bwd_compute_out_tma(s, n);
-            add(&mut v, "ssd/bwd_compute_out", name, mac, &[&n.to_string()]);
+            for bc in [true, false]
+                .into_iter()
+                .filter(|&bc| bc || BWD_BC_DSTATES.contains(&n))
+            {
+                let name = bwd_compute_out_tma(s, n, bc);
+                let args = [n.to_string(), bc.to_string()];
+                add(
+                    &mut v,
+                    "ssd/bwd_compute_out",
+                    name,
+                    mac,
+                    &[&args[0], &args[1]],
+                );
+            }
+        }
+    }
+    for n in BWD_BC_DSTATES {
+        for s in [Ty::Bf16, Ty::F32] {
+            add(
+                &mut v,
+                "ssd/bwd_bc",
+                bwd_bc(s, n),
+                "BWD_BC",
+                &[s.c(), &n.to_string()],
+            );
         }
     }
     for t in COMPUTE_OUT_TMA_VALUES {

@@ -20,7 +20,8 @@
 // several); ddt [B,H,L] f32 (processed dt); da_part [B,H,⌈L/64⌉] f32; dd [H,P] f32 (atomics; null
 // without D). The common shapes have P and N compiled in (BWD_COMPUTE_OUT_FIXED), the rest read
 // them at run time. For 16-bit T, bwd_compute_out_round then rounds db and dc to T in one launch
-// (BWD_COMPUTE_OUT_ROUND).
+// (BWD_COMPUTE_OUT_ROUND). The `_tma` form can leave dB and dC to bwd_bc (BC false), which sums
+// the group's heads in one program; it then forms dy·(H C) from C·Hᵀ instead of dC's epilogue.
 // mma.sync form (any type and shape): warp w owns rows 16·(w mod 4) and, of every block of 64
 // columns, the 32 from 32·⌊w / 4⌋ of every [64, ·] product; tiles row-major, zero-padded to
 // multiples of 64 columns plus 8 (conflict-free ldmatrix).
@@ -757,7 +758,7 @@ __device__ __forceinline__ void tiles_by_map(const Maps& m, const Place& at, bf1
   }
 }
 
-template <typename S, int N, bool TMA>
+template <typename S, int N, bool TMA, bool BC = true>
 __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __restrict__ dy,
                                       const bf16* __restrict__ bm, const bf16* __restrict__ cm,
                                       const float* __restrict__ dt_out,
@@ -914,7 +915,29 @@ __device__ void bwd_compute_out_wgmma(const bf16* __restrict__ x, const bf16* __
   // 64) all tiles' values do not fit the registers, and with one (N = 256) it measured slower.
   constexpr bool late = min_programs<bf16>(N) == 2;
   float dot = 0.f;
-  {
+  if constexpr (!BC) {
+    // dB and dC left to bwd_bc: dy·(H C_t) per token as Σ_p dY_tp·(C·Hᵀ)_tp, and ⟨dH', H⟩ as the
+    // trace of dH'·Hᵀ, at columns cw...
+    float ch[4][4], tr[4][4], yc[2] = {0.f, 0.f};
+    m2::wgmma_fence();
+    product<4, 0, 0, N / 16>(ch, ca, 0, 0, ha, cw, 0);
+    product<4, 0, 0, N / 16>(tr, dha, 0, 0, ha, cw, 0);
+    products_done(ch, tr);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = m0 + m2::acc_row(lane, 2 * half), c = cw + 8 * j + m2::acc_col(lane, 0);
+        const float2 dv = m2::load2(dys + Swizzled{}(t, c));
+        yc[half] += ch[j][2 * half] * dv.x + ch[j][2 * half + 1] * dv.y;
+      }
+    add_rows(sums.dyhc, yc, m0, cw, lane);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (m0 + m2::acc_row(lane, e) == cw + 8 * j + m2::acc_col(lane, e)) dot += tr[j][e];
+  } else {
     float yc[2] = {0.f, 0.f}, rs[2], eg[2];
     row_scales(sums, g_last, m0, lane, rs, eg);
     const bool shared = at.hpg > 1;
@@ -1002,14 +1025,14 @@ __device__ __forceinline__ void bwd_compute_out(const T* x, const T* dy, const T
 
 // The `_tma` form: the wgmma form with its tiles copied by tensor map (bf16 values, P = 64, N
 // compiled in; sm_90a, where the launcher alone picks it), the states too where they are bf16.
-template <typename S, int NF>
+template <typename S, int NF, bool BC>
 __device__ __forceinline__ void bwd_compute_out_tma(const float* dt_out, const float* da,
                                                     const S* states, const S* dstates,
                                                     const float* dskip, const float* a,
                                                     const Grads& out, const m2::SsdParams& d,
                                                     const Maps& maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  bwd_compute_out_wgmma<S, NF, true>(nullptr, nullptr, nullptr, nullptr, dt_out, da, states,
+  bwd_compute_out_wgmma<S, NF, true, BC>(nullptr, nullptr, nullptr, nullptr, dt_out, da, states,
                                      dstates, dskip, a, out, d, maps);
 #else
   __trap();
@@ -1058,11 +1081,11 @@ __device__ void bwd_compute_out_round(const float* __restrict__ db, const float*
 #define BWD_COMPUTE_OUT(NAME, T, S) BWD_COMPUTE_OUT_FIXED(NAME, T, S, 0, 0)
 // The `_tma` kernels: x's, dY's, B's and C's tensor maps, then (BWD_COMPUTE_OUT_TMA, bf16
 // states) the states' and their gradients' (STATE_MAPS) or (BWD_COMPUTE_OUT_TMA_F32, f32 states)
-// none (NO_STATE_MAPS).
+// none (NO_STATE_MAPS); BC false: dB and dC left to bwd_bc (db and dc unused).
 #define STATE_MAPS                                                                              \
   , const __grid_constant__ m2::TensorMap th, const __grid_constant__ m2::TensorMap tdh
 #define NO_STATE_MAPS
-#define BWD_COMPUTE_OUT_TMA_KERNEL(NAME, S, NF, MAPS, H, DH)                                    \
+#define BWD_COMPUTE_OUT_TMA_KERNEL(NAME, S, NF, BC, MAPS, H, DH)                                \
   extern "C" __global__ void __launch_bounds__(256, min_programs<__nv_bfloat16>(NF))             \
       NAME(const __grid_constant__ m2::TensorMap tx, const __grid_constant__ m2::TensorMap tdy,   \
            const __grid_constant__ m2::TensorMap tb, const __grid_constant__ m2::TensorMap tc MAPS, \
@@ -1071,10 +1094,10 @@ __device__ void bwd_compute_out_round(const float* __restrict__ db, const float*
            float* da_part, float* dd, m2::SsdParams d) {                                        \
     const Grads out{dx, db, dc, ddt, da_part, dd};                                              \
     const Maps maps{&tx, &tdy, &tb, &tc, H, DH};                                                \
-    bwd_compute_out_tma<S, NF>(dt_out, da, states, dstates, dskip, a, out, d, maps);            \
+    bwd_compute_out_tma<S, NF, BC>(dt_out, da, states, dstates, dskip, a, out, d, maps);        \
   }
-#define BWD_COMPUTE_OUT_TMA(NAME, NF)                                                           \
-  BWD_COMPUTE_OUT_TMA_KERNEL(NAME, __nv_bfloat16, NF, STATE_MAPS, &th, &tdh)
-#define BWD_COMPUTE_OUT_TMA_F32(NAME, NF)                                                       \
-  BWD_COMPUTE_OUT_TMA_KERNEL(NAME, float, NF, NO_STATE_MAPS, nullptr, nullptr)
+#define BWD_COMPUTE_OUT_TMA(NAME, NF, BC)                                                       \
+  BWD_COMPUTE_OUT_TMA_KERNEL(NAME, __nv_bfloat16, NF, BC, STATE_MAPS, &th, &tdh)
+#define BWD_COMPUTE_OUT_TMA_F32(NAME, NF, BC)                                                   \
+  BWD_COMPUTE_OUT_TMA_KERNEL(NAME, float, NF, BC, NO_STATE_MAPS, nullptr, nullptr)
 #include "ssd/bwd_compute_out.inc"

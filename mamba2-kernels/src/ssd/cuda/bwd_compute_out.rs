@@ -5,7 +5,7 @@
 //! compiled in (its tile walks unrolled, its column bounds folded; in bf16 on sm_90a its products
 //! on wgmma, and with bf16 states its tiles by tensor map); other shapes one that reads them at
 //! run time. For 16-bit values a second kernel then rounds dB's and dC's f32 sums to the value
-//! type.
+//! type, except where the `_tma` form leaves dB and dC to [`bwd_bc`](super::bwd_bc).
 
 use std::sync::Arc;
 
@@ -64,18 +64,41 @@ fn smem(p: &SsdParams, t: Ty, wgmma: bool) -> usize {
     }
 }
 
-pub(super) fn launch_bwd_out(
+/// The (P, N) of a kernel with both compiled in, where the value type has one.
+fn fixed_shape(p: &SsdParams, t: Ty) -> Option<(usize, usize)> {
+    let shape = (p.headdim as usize, p.dstate as usize);
+    (instances::MMA_VALUES.contains(&t) && instances::BWD_COMPUTE_OUT_FIXED.contains(&shape))
+        .then_some(shape)
+}
+
+/// Whether the kernel runs its wgmma form: bf16 with P and N compiled in, on sm_90a.
+fn runs_wgmma(p: &SsdParams, t: Ty, stream: &Arc<CudaStream>) -> Result<bool> {
+    Ok(t == Ty::Bf16 && fixed_shape(p, t).is_some() && runs_sm90a(stream)?)
+}
+
+/// Whether the kernel runs its `_tma` form (which can leave dB and dC to bwd_bc).
+pub(super) fn runs_tma(
     p: &SsdParams,
     (t, s): (Ty, Ty),
     q: &BwdOutPtrs,
     stream: &Arc<CudaStream>,
+) -> Result<bool> {
+    tma_fits(p, s, q, runs_wgmma(p, t, stream)?, stream)
+}
+
+/// `bc`: the kernel forms dB and dC (into `q.db` and `q.dc`); else it leaves them to bwd_bc,
+/// which needs its `_tma` form ([`runs_tma`]).
+pub(super) fn launch_bwd_out(
+    p: &SsdParams,
+    (t, s): (Ty, Ty),
+    q: &BwdOutPtrs,
+    bc: bool,
+    stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let name = "ssd backward";
     let shape = (p.headdim as usize, p.dstate as usize);
-    let fixed = (instances::MMA_VALUES.contains(&t)
-        && instances::BWD_COMPUTE_OUT_FIXED.contains(&shape))
-    .then_some(shape);
-    let wgmma = t == Ty::Bf16 && fixed.is_some() && runs_sm90a(stream)?;
+    let fixed = fixed_shape(p, t);
+    let wgmma = runs_wgmma(p, t, stream)?;
     let bytes = smem(p, t, wgmma);
     let max = max_smem(stream)?;
     if bytes > max {
@@ -90,8 +113,16 @@ pub(super) fn launch_bwd_out(
     let programs = (p.seqlen as usize).div_ceil(TOKENS) * p.batch as usize * p.nheads as usize;
     let grid = [programs, 1, 1];
     let c = cfg(name, stream, grid, [32 * WARPS, 1, 1], bytes)?;
-    if let Some(maps) = tile_maps(p, s, q, wgmma, stream)? {
-        let f = function(stream, IMAGE, &instances::bwd_compute_out_tma(s, shape.1))?;
+    let maps = tile_maps(p, s, q, wgmma, stream)?;
+    if !bc && maps.is_none() {
+        bail!("{name}: dB and dC left to bwd_bc where bwd_compute_out's `_tma` form does not run")
+    }
+    if let Some(maps) = maps {
+        let f = function(
+            stream,
+            IMAGE,
+            &instances::bwd_compute_out_tma(s, shape.1, bc),
+        )?;
         let rest: [&dyn crate::cuda::Arg; 13] = [
             &q.dt, &q.da, &q.states, &q.dstates, &q.dskip, &q.a, &q.dx, &q.db, &q.dc, &q.ddt,
             &q.da_part, &q.dd, p,
@@ -111,9 +142,29 @@ pub(super) fn launch_bwd_out(
     launch(stream, &f, c, &args)
 }
 
-/// The tensor maps of the `_tma` form where it runs (the wgmma form, `wgmma`, with TMA on the
-/// device and not turned off by `MAMBA2_NO_TMA=1`, every tensor 16-byte aligned): x, dY, B and C,
-/// then with bf16 states (`s`) the states and their gradients, whose rows of N an i32 indexes.
+/// The rows of N of the states (and of their gradients).
+fn state_rows(p: &SsdParams) -> usize {
+    p.batch as usize * p.nheads as usize * (p.nchunks as usize + 1) * p.headdim as usize
+}
+
+/// Whether the `_tma` form runs: the wgmma form (`wgmma`) with TMA on the device and not turned
+/// off by `MAMBA2_NO_TMA=1`, every tensor 16-byte aligned, bf16 states' rows indexed by an i32.
+fn tma_fits(
+    p: &SsdParams,
+    s: Ty,
+    q: &BwdOutPtrs,
+    wgmma: bool,
+    stream: &Arc<CudaStream>,
+) -> Result<bool> {
+    let aligned = [q.x, q.dy, q.b, q.c, q.states, q.dstates]
+        .iter()
+        .all(|a| a % 16 == 0);
+    let states_fit = s != Ty::Bf16 || i32::try_from(state_rows(p)).is_ok();
+    Ok(wgmma && aligned && states_fit && has_tma(stream)?)
+}
+
+/// The tensor maps of the `_tma` form where it runs ([`tma_fits`]): x, dY, B and C, then with
+/// bf16 states (`s`) the states and their gradients.
 fn tile_maps(
     p: &SsdParams,
     s: Ty,
@@ -121,6 +172,9 @@ fn tile_maps(
     wgmma: bool,
     stream: &Arc<CudaStream>,
 ) -> Result<Option<Vec<TensorMap>>> {
+    if !tma_fits(p, s, q, wgmma, stream)? {
+        return Ok(None);
+    }
     let (b, l, h, g) = (
         p.batch as usize,
         p.seqlen as usize,
@@ -128,14 +182,7 @@ fn tile_maps(
         p.ngroups as usize,
     );
     let (hd, n) = (p.headdim as usize, p.dstate as usize);
-    let rows = b * h * (p.nchunks as usize + 1) * hd;
-    let aligned = [q.x, q.dy, q.b, q.c, q.states, q.dstates]
-        .iter()
-        .all(|a| a % 16 == 0);
-    let states_fit = s != Ty::Bf16 || i32::try_from(rows).is_ok();
-    if !(wgmma && aligned && states_fit && has_tma(stream)?) {
-        return Ok(None);
-    }
+    let rows = state_rows(p);
     let dtype = DType::BF16;
     let values = |ptr, row| tokens(ptr, dtype, [b, l, row], 64, TOKENS);
     let states = |ptr| tensor_map_3d(ptr, dtype, [n, rows, 1], [n, rows * n], [64, 64, 1]);

@@ -4,10 +4,11 @@
 //! [`chunk_cumsum`](mod@chunk_cumsum), [`fwd_pass_state`](mod@fwd_pass_state) (the state pass)
 //! and [`compute_out`](mod@compute_out); their parameters in [`params`]. The backward,
 //! [`ssd_backward`], runs stage 1 and the state pass again at chunks of 128 or 64 tokens unless
-//! the forward kept them at that chunk, then the three backward kernels' launchers:
-//! [`bwd_pass_state`](mod@bwd_pass_state), [`bwd_compute_out`](mod@bwd_compute_out) and
-//! [`bwd_chunk_cumsum`](mod@bwd_chunk_cumsum).
+//! the forward kept them at that chunk, then the backward kernels' launchers:
+//! [`bwd_pass_state`](mod@bwd_pass_state), [`bwd_compute_out`](mod@bwd_compute_out), where it
+//! runs [`bwd_bc`](mod@bwd_bc) for dB and dC, and [`bwd_chunk_cumsum`](mod@bwd_chunk_cumsum).
 
+mod bwd_bc;
 mod bwd_chunk_cumsum;
 mod bwd_compute_out;
 mod bwd_pass_state;
@@ -24,8 +25,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
+use self::bwd_bc::{launch_bwd_bc, BwdBcPtrs};
 use self::bwd_chunk_cumsum::{launch_bwd_stage1, HeadSums};
-use self::bwd_compute_out::{launch_bwd_out, launch_bwd_round, BwdOutPtrs};
+use self::bwd_compute_out::{launch_bwd_out, launch_bwd_round, runs_tma, BwdOutPtrs};
 use self::bwd_pass_state::{bwd_state_pass, BwdStatePtrs, TOKENS};
 use self::compute_out::{out_pass, After, OutPtrs};
 use self::fwd_pass_state::{chunk_state_tile, launch_chunk_state, state_pass, PassPtrs, RawSteps};
@@ -433,7 +435,8 @@ pub(crate) struct BackwardGrads {
 /// The SSD backward on CUDA. Stage 1 and the chunk states are computed again at the chunk of
 /// [`state_chunk`] (the SSD's results do not depend on the chunk) unless the forward kept them at
 /// that chunk. Then the state gradients (bwd_pass_state), each chunk's gradients
-/// (bwd_compute_out, [`TOKENS`] tokens a program) and the dt processing's (bwd_chunk_cumsum).
+/// (bwd_compute_out, [`TOKENS`] tokens a program; dB and dC by bwd_bc where it runs) and the dt
+/// processing's (bwd_chunk_cumsum).
 pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     let name = "ssd backward";
     let d = op.dims;
@@ -545,16 +548,7 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     bwd_state_pass(&p, (vt, st), &q, tile.is_none(), &stream)?;
 
     let gn = d.ngroups * d.dstate;
-    let shared = d.heads_per_group() > 1;
-    let group_grad = |len| {
-        if shared {
-            zeroed(dev, DType::F32, len)
-        } else {
-            alloc(dev, DType::F32, len)
-        }
-    };
     let mut dx = alloc(dev, op.x.dtype(), bl * d.nheads * d.headdim)?;
-    let (mut db, mut dc) = (group_grad(bl * gn)?, group_grad(bl * gn)?);
     let mut ddt = alloc(dev, DType::F32, bh * d.seqlen)?;
     let parts = d.nchunks(TOKENS);
     let mut da_part = alloc(dev, DType::F32, bh * parts)?;
@@ -572,7 +566,7 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     let small_at = |i: usize, len: usize| if len > 0 { small_p + 4 * i as u64 } else { 0 };
     let mut p_out = p;
     p_out.d_per_channel = op.d.is_some_and(|t| t.rank() == 2) as i32;
-    let q = BwdOutPtrs {
+    let mut q = BwdOutPtrs {
         x: hx.ptr(name, "x", &stream, &mut guards)?,
         dy: q.dy,
         b: hb.ptr(name, "b", &stream, &mut guards)?,
@@ -584,13 +578,47 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
         dskip: opt_ptr(name, "D", &hd, &stream, &mut guards)?,
         a: ha.ptr(name, "a", &stream, &mut guards)?,
         dx: ptr(name, "dx", &dx, &contiguous(bl * h * pd), &stream)?.0,
-        db: ptr(name, "db", &db, &contiguous(bl * gn), &stream)?.0,
-        dc: ptr(name, "dc", &dc, &contiguous(bl * gn), &stream)?.0,
+        db: 0,
+        dc: 0,
         ddt: ptr(name, "ddt", &ddt, &contiguous(bh * d.seqlen), &stream)?.0,
         da_part: ptr(name, "da_part", &da_part, &contiguous(bh * parts), &stream)?.0,
         dd: small_at(2 * h, dd_len),
     };
-    launch_bwd_out(&p_out, (vt, st), &q, &stream)?;
+    // dB and dC: by bwd_bc in the value type where it runs, else bwd_compute_out's f32 sums
+    // (added by atomics from zero where a group has several heads), rounded below.
+    let apart = bwd_bc::takes(&p, (vt, st), runs_tma(&p_out, (vt, st), &q, &stream)?);
+    let grad_type = if apart { op.x.dtype() } else { DType::F32 };
+    let group_grad = |len| {
+        if !apart && d.heads_per_group() > 1 {
+            zeroed(dev, grad_type, len)
+        } else {
+            alloc(dev, grad_type, len)
+        }
+    };
+    let (mut db, mut dc) = (group_grad(bl * gn)?, group_grad(bl * gn)?);
+    let (db_p, dc_p) = (
+        ptr(name, "db", &db, &contiguous(bl * gn), &stream)?.0,
+        ptr(name, "dc", &dc, &contiguous(bl * gn), &stream)?.0,
+    );
+    if !apart {
+        (q.db, q.dc) = (db_p, dc_p);
+    }
+    launch_bwd_out(&p_out, (vt, st), &q, !apart, &stream)?;
+    if apart {
+        let ptrs = BwdBcPtrs {
+            x: q.x,
+            dy: q.dy,
+            b: q.b,
+            c: q.c,
+            dt: q.dt,
+            da: q.da,
+            states: q.states,
+            dstates: q.dstates,
+            db: db_p,
+            dc: dc_p,
+        };
+        launch_bwd_bc(&p, st, &ptrs, &stream)?;
+    }
 
     let (dt_raw, dt_stride, g) =
         rows_ptr(name, "dt", dt_s.cuda(name, "dt")?, dt_s.layout, &stream)?;
@@ -641,6 +669,7 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     drop(states);
     drop(dstates);
     let (db, dc) = match op.x.dtype() {
+        _ if apart => (db, dc),
         DType::F32 => (db, dc),
         value => {
             let len = bl * gn;
