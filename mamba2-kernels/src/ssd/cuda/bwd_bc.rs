@@ -1,7 +1,7 @@
 //! Launcher of `kernels/ssd/bwd_bc.cu`: dB and dC of the SSD backward, summed over each group's
-//! heads inside one program per (chunk of 128 tokens, batch, group, block of 64 columns of N) and
-//! written once in the value type. It runs where bwd_compute_out's `_tma` form can leave them to
-//! it: bf16 values, P = 64, N of 128 or 256, the states at chunks of 128 tokens, sm_90a.
+//! heads inside one program per (chunk of 128 tokens, batch, group) and written once in the value
+//! type. It runs where bwd_compute_out's `_tma` form can leave them to it: bf16 values, P = 64, N
+//! of 128 or 256, the states at chunks of 128 tokens, two heads or more per group, sm_90a.
 
 use std::sync::Arc;
 
@@ -32,28 +32,29 @@ pub(super) struct BwdBcPtrs {
     pub dc: u64,
 }
 
-/// Shared memory of one program: B and C, then per slot a head's x and dY ([128, 64] bf16
-/// each) and per-token sums, the states' blocks ([64, 64]: bf16 per slot, or one bf16 pair and
-/// f32 rows per slot), and 1024 bytes to align the swizzled tiles. Three slots (heads in flight)
-/// for bf16 states, two for f32 (the kernel's `DEPTH`).
+/// Shared memory of one program: B's and C's block, Σ, two slots of a head's x and dY ([128, 64]
+/// bf16 each; Σ two of them) and per-token sums, the states' blocks ([64, 64]: bf16 per slot, or
+/// one bf16 pair and f32 rows per slot), and 1024 bytes to align the swizzled tiles.
 fn smem(s: Ty) -> usize {
     let (tile, block) = (CHUNK * 64, 64 * 64);
-    let (depth, states) = match s {
-        Ty::Bf16 => (3, 3 * 2 * block * 2),
-        _ => (2, 2 * block * 2 + 2 * 2 * block * 4),
+    let states = match s {
+        Ty::Bf16 => 2 * 2 * block * 2,
+        _ => 2 * block * 2 + 2 * 2 * block * 4,
     };
-    (2 + 2 * depth) * tile * 2 + states + depth * 2 * CHUNK * 4 + 1024
+    8 * tile * 2 + states + 2 * 2 * CHUNK * 4 + 1024
 }
 
 /// Whether bwd_bc takes this call's dB and dC: bf16 values, P = 64, N it has kernels for, states
-/// at chunks of 128 tokens, bf16 or f32 states, and bwd_compute_out's `_tma` form running
-/// (`tma`, which is sm_90a's).
+/// at chunks of 128 tokens, bf16 or f32 states, bwd_compute_out's `_tma` form running (`tma`,
+/// which is sm_90a's), and two heads or more per group (B's and C's block is taken with a group's
+/// last head, while the block before is still read with the one before it).
 pub(super) fn takes(p: &SsdParams, (t, s): (Ty, Ty), tma: bool) -> bool {
     tma && t == Ty::Bf16
         && matches!(s, Ty::Bf16 | Ty::F32)
         && p.headdim == 64
         && p.chunk as usize == CHUNK
         && BWD_BC_DSTATES.contains(&(p.dstate as usize))
+        && p.nheads >= 2 * p.ngroups
 }
 
 pub(super) fn launch_bwd_bc(
@@ -71,8 +72,7 @@ pub(super) fn launch_bwd_bc(
         )
     }
     let n = p.dstate as usize;
-    let programs =
-        (p.seqlen as usize).div_ceil(CHUNK) * p.batch as usize * p.ngroups as usize * (n / 64);
+    let programs = (p.seqlen as usize).div_ceil(CHUNK) * p.batch as usize * p.ngroups as usize;
     let c = cfg(name, stream, [programs, 1, 1], [256, 1, 1], bytes)?;
     let f = function(stream, IMAGE, &instances::bwd_bc(s, n))?;
     let args: [&dyn crate::cuda::Arg; 11] = [
