@@ -5,15 +5,15 @@
 //   Σ = Σ_h decay∘(dY_h·X_hᵀ)·dt_s          (one [Q, Q] matrix for the group)
 //   dB = Σᵀ·C + Σ_h diag(r_h)·X_h·dH'_h      dC = Σ·B + Σ_h diag(e_h)·dY_h·H_h
 // with H_h the state entering the chunk (slot c of the states) and dH'_h the gradient of the one
-// leaving it (slot c + 1 of their gradients). Two passes over the heads: the first sums Σ in
-// registers and leaves it in shared memory as bf16; the second, once per block of 64 columns of
-// N, adds the heads' state terms (their A operand from registers, X's and dY's rows scaled there
-// by r and e), then Σ's two products, and writes that block of dB and dC once, in the value
-// type: no atomics, no zeroed f32 sums, no rounding pass, and Σ formed once per chunk and group,
-// not once per head and column block. bf16 values, P = 64 and N compiled in, sm_90a (wgmma);
-// warpgroup g owns rows 64·g.. of every product but Σ's, tiles swizzled as wgmma reads them. Each
-// step's x, dY, per-token sums and (second pass) states, f32 ones into a staging area converted
-// in shared memory, arrive by cp.async while the step before is formed.
+// leaving it (slot c + 1 of their gradients). The program steps through (column block of 64 of
+// N, head): each step adds the head's state terms to the block's dB and dC (their A operand from
+// registers, X's and dY's rows scaled there by r and e); the first block's steps also sum Σ in
+// registers, left in shared memory as bf16 after them; each block ends with Σ's two products and
+// writes its dB and dC once, in the value type. So no atomics, no zeroed f32 sums, no rounding
+// pass, and Σ is formed once per chunk and group, not once per head. bf16 values, P = 64 and N
+// compiled in, sm_90a (wgmma); warpgroup g owns rows 64·g.. of every product, tiles swizzled as
+// wgmma reads them. Each step's x, dY, per-token sums and states (f32 ones into a staging area,
+// converted in shared memory) arrive by cp.async while the step before is formed.
 #include <type_traits>
 
 #include "params.cuh"
