@@ -717,6 +717,7 @@ mod tests {
             "ssd/bwd_chunk_cumsum",
             "ssd/bwd_pass_state",
             "ssd/bwd_compute_out",
+            "ssd/bwd_bc",
             "ssd_step/ssd_step",
             "conv/causal_conv1d",
             "norm/rms_norm",
@@ -726,6 +727,21 @@ mod tests {
             "rows/rows",
         ];
         assert_eq!(files, want.into_iter().collect());
+    }
+
+    #[test]
+    fn every_bwd_bc_kernel_has_its_bwd_compute_out_form() {
+        let names: HashSet<String> = instances().into_iter().map(|k| k.name).collect();
+        for n in BWD_BC_DSTATES {
+            assert!(BWD_COMPUTE_OUT_FIXED.contains(&(64, n)), "N = {n}");
+            for s in [Ty::Bf16, Ty::F32] {
+                assert!(names.contains(&bwd_bc(s, n)), "{s:?} {n}");
+                assert!(
+                    names.contains(&bwd_compute_out_tma(s, n, false)),
+                    "{s:?} {n}"
+                );
+            }
+        }
     }
 
     #[test]
