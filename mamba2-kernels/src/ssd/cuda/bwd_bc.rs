@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::Result;
 
+use super::bwd_compute_out::BwdOutPtrs;
 use super::params::SsdParams;
 use crate::cuda::{cfg, fatbin, function, launch, max_smem, Image, Ty};
 use crate::instances::{self, BWD_BC_DSTATES};
@@ -16,21 +17,6 @@ const IMAGE: Image = fatbin!("ssd_bwd_bc");
 
 /// Tokens per program (the kernel's `Q`): the state chunk it reads the states at.
 const CHUNK: usize = 128;
-
-/// What the kernel reads (x, dY, B and C bf16; the processed steps and their cumulative sums f32;
-/// the states and their gradients of the state type) and writes (dB and dC, bf16).
-pub(super) struct BwdBcPtrs {
-    pub x: u64,
-    pub dy: u64,
-    pub b: u64,
-    pub c: u64,
-    pub dt: u64,
-    pub da: u64,
-    pub states: u64,
-    pub dstates: u64,
-    pub db: u64,
-    pub dc: u64,
-}
 
 /// Shared memory of one program: B's and C's block, Σ, two slots of a head's x and dY ([128, 64]
 /// bf16 each; Σ two of them) and per-token sums, the states' blocks ([64, 64]: bf16 per slot, or
@@ -57,10 +43,14 @@ pub(super) fn takes(p: &SsdParams, (t, s): (Ty, Ty), tma: bool) -> bool {
         && p.nheads >= 2 * p.ngroups
 }
 
+/// Reads bwd_compute_out's inputs in `q` (x, dY, B and C bf16; the processed steps and their
+/// cumulative sums f32; the states and their gradients of type `s`) and writes `db` and `dc`
+/// (bf16; `q.db` and `q.dc` are not read).
 pub(super) fn launch_bwd_bc(
     p: &SsdParams,
     s: Ty,
-    q: &BwdBcPtrs,
+    q: &BwdOutPtrs,
+    (db, dc): (u64, u64),
     stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let name = "ssd backward";
@@ -76,7 +66,7 @@ pub(super) fn launch_bwd_bc(
     let c = cfg(name, stream, [programs, 1, 1], [256, 1, 1], bytes)?;
     let f = function(stream, IMAGE, &instances::bwd_bc(s, n))?;
     let args: [&dyn crate::cuda::Arg; 11] = [
-        &q.x, &q.dy, &q.b, &q.c, &q.dt, &q.da, &q.states, &q.dstates, &q.db, &q.dc, p,
+        &q.x, &q.dy, &q.b, &q.c, &q.dt, &q.da, &q.states, &q.dstates, &db, &dc, p,
     ];
     launch(stream, &f, c, &args)
 }

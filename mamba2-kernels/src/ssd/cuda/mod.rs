@@ -25,7 +25,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{bail, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
-use self::bwd_bc::{launch_bwd_bc, BwdBcPtrs};
+use self::bwd_bc::launch_bwd_bc;
 use self::bwd_chunk_cumsum::{launch_bwd_stage1, HeadSums};
 use self::bwd_compute_out::{launch_bwd_out, launch_bwd_round, runs_tma, BwdOutPtrs};
 use self::bwd_pass_state::{bwd_state_pass, BwdStatePtrs, TOKENS};
@@ -605,19 +605,7 @@ pub(super) fn ssd_backward(op: Backward) -> Result<BackwardGrads> {
     }
     launch_bwd_out(&p_out, (vt, st), &q, !apart, &stream)?;
     if apart {
-        let ptrs = BwdBcPtrs {
-            x: q.x,
-            dy: q.dy,
-            b: q.b,
-            c: q.c,
-            dt: q.dt,
-            da: q.da,
-            states: q.states,
-            dstates: q.dstates,
-            db: db_p,
-            dc: dc_p,
-        };
-        launch_bwd_bc(&p, st, &ptrs, &stream)?;
+        launch_bwd_bc(&p, st, &q, (db_p, dc_p), &stream)?;
     }
 
     let (dt_raw, dt_stride, g) =
