@@ -291,6 +291,22 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lbo = 16)
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
          (static_cast<uint64_t>(ROWB * 8 >> 4) << 32) | (mode << 62);
 }
+// Tiles of 2-byte values in blocks of 64 columns, ROWS rows each, every row of 128 bytes swizzled
+// (swz<128>, wgmma's 128-byte pattern): the element offset of (r, c), and the descriptor at
+// (r, c) from `tile`, the descriptor of the tile's start (wgmma_desc<128>). For the descriptor the
+// rows are M or N and c the K offset of a K-major operand, or the rows are K and c the M or N
+// offset of an MN-major one (a range within one 64-column block either way). The offset, a
+// multiple of 16 bytes, is added to the start's address field (its low 14 bits, 16-byte units):
+// every shared address fits them, so nothing carries out, and no descriptor is built per K step.
+template <int ROWS>
+__device__ __forceinline__ int swz_blocks(int r, int c) {
+  return (c >> 6) * ROWS * 64 + swz<128>(r, (c & 63) >> 3) + (c & 7);
+}
+template <int ROWS>
+__device__ __forceinline__ uint64_t desc_at(uint64_t tile, int r, int c) {
+  const uint32_t step = static_cast<uint32_t>(((c >> 6) * ROWS + r) * 128 + (c & 63) * 2) >> 4;
+  return (tile & 0xffffffff00000000ull) | (static_cast<uint32_t>(tile) + step);
+}
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

@@ -28,15 +28,6 @@ constexpr int TILE = Q * 64, BLOCK = P * 64;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 using bf16 = __nv_bfloat16;
 
-// The descriptor of a tile of `rows`-row blocks of 64 columns (swizzled rows of 128 bytes) at
-// element (r, c), from `tile`, the descriptor of its start: r a multiple of 8, c of 8 within
-// one block. The offset is added to the start's 16-byte address field (no carry out of it).
-template <int ROWS>
-__device__ __forceinline__ uint64_t desc_at(uint64_t tile, int r, int c) {
-  const uint32_t step = static_cast<uint32_t>(((c >> 6) * ROWS + r) * 128 + (c & 63) * 2) >> 4;
-  return (tile & 0xffffffff00000000ull) | (static_cast<uint32_t>(tile) + step);
-}
-
 __device__ __forceinline__ uint32_t scale_pair(uint32_t v, float f) {
   const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
   return m2::Mma<bf16>::pack(x.x * f, x.y * f);
@@ -224,8 +215,7 @@ __device__ __forceinline__ void store_weights(bf16* as, const float (&sig)[8][4]
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = t0 + m2::acc_row(lane, 2 * half), s = c0 + 8 * j + m2::acc_col(lane, 0);
-      m2::store2<bf16>(as + (s >> 6) * TILE + m2::swz<128>(t, (s & 63) >> 3) + (s & 7),
-                       sig[j][2 * half], sig[j][2 * half + 1]);
+      m2::store2<bf16>(as + m2::swz_blocks<Q>(t, s), sig[j][2 * half], sig[j][2 * half + 1]);
     }
 }
 
@@ -250,12 +240,12 @@ __device__ __forceinline__ void sigma_products(float (&dbacc)[8][4], float (&dca
                                                uint64_t sa, uint64_t ba, uint64_t ca) {
 #pragma unroll
   for (int ks = 4 * G; ks < 8; ++ks)
-    m2::WgmmaSS<8>::run<1, 1>(dbacc, desc_at<Q>(sa, 16 * ks, 64 * G), desc_at<Q>(ca, 16 * ks, 0),
-                              1);
+    m2::WgmmaSS<8>::run<1, 1>(dbacc, m2::desc_at<Q>(sa, 16 * ks, 64 * G),
+                              m2::desc_at<Q>(ca, 16 * ks, 0), 1);
 #pragma unroll
   for (int ks = 0; ks < 4 * (G + 1); ++ks)
-    m2::WgmmaSS<8>::run<0, 1>(dcacc, desc_at<Q>(sa, 64 * G, 16 * ks), desc_at<Q>(ba, 16 * ks, 0),
-                              1);
+    m2::WgmmaSS<8>::run<0, 1>(dcacc, m2::desc_at<Q>(sa, 64 * G, 16 * ks),
+                              m2::desc_at<Q>(ba, 16 * ks, 0), 1);
 }
 
 // Waits for step i's copies (slot j) and makes them, and for the second pass the bf16 states
@@ -309,8 +299,8 @@ __device__ __forceinline__ void state_terms(const Smem<S>& sm, int j, int t0, in
   m2::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
-    m2::Wgmma<8>::run<1>(dbacc, ax[ks], desc_at<P>(dha, 16 * ks, 0));
-    m2::Wgmma<8>::run<1>(dcacc, ady[ks], desc_at<P>(ha, 16 * ks, 0));
+    m2::Wgmma<8>::run<1>(dbacc, ax[ks], m2::desc_at<P>(dha, 16 * ks, 0));
+    m2::Wgmma<8>::run<1>(dcacc, ady[ks], m2::desc_at<P>(ha, 16 * ks, 0));
   }
   m2::wgmma_commit();
 }
@@ -383,8 +373,8 @@ __device__ void bwd_bc(const bf16* __restrict__ x, const bf16* __restrict__ dy,
       m2::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
-        m2::WgmmaSS<8>::run<0, 0>(m, desc_at<Q>(dya, 64 * g, 16 * ks), desc_at<Q>(xa, 0, 16 * ks),
-                                  ks > 0);
+        m2::WgmmaSS<8>::run<0, 0>(m, m2::desc_at<Q>(dya, 64 * g, 16 * ks),
+                                  m2::desc_at<Q>(xa, 0, 16 * ks), ks > 0);
       m2::wgmma_commit();
       state_terms(sm, j, t0, at.tc, dbacc, dcacc, lane);
       m2::wgmma_wait<1>();
@@ -400,8 +390,8 @@ __device__ void bwd_bc(const bf16* __restrict__ x, const bf16* __restrict__ dy,
         m2::wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
-          m2::WgmmaSS<8>::run<0, 0>(m, desc_at<Q>(dya, 64, 16 * ks), desc_at<Q>(xa, 64, 16 * ks),
-                                    ks > 0);
+          m2::WgmmaSS<8>::run<0, 0>(m, m2::desc_at<Q>(dya, 64, 16 * ks),
+                                    m2::desc_at<Q>(xa, 64, 16 * ks), ks > 0);
         m2::wgmma_commit();
         m2::wgmma_wait<0>();
         m2::wgmma_hold(m);

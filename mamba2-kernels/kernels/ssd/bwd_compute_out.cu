@@ -620,11 +620,10 @@ struct Maps {
 using bf16 = __nv_bfloat16;
 
 // Where element (r, c) of a wgmma-form tile sits: blocks of 64 columns of TOKENS rows each
-// (every wgmma-form tile has TOKENS = P rows), 16-byte chunks swizzled within each 128-byte row
-// (m2::swz<128>, wgmma's 128-byte pattern).
+// (every wgmma-form tile has TOKENS = P rows), swizzled as wgmma reads them.
 struct Swizzled {
   __device__ __forceinline__ int operator()(int r, int c) const {
-    return (c >> 6) * TOKENS * 64 + m2::swz<128>(r, (c & 63) >> 3) + (c & 7);
+    return m2::swz_blocks<TOKENS>(r, c);
   }
 };
 
@@ -652,17 +651,6 @@ __device__ __forceinline__ void block_in(bf16* dst, const S* src, size_t stride,
   }
 }
 
-// The descriptor of a Swizzled tile at element (r, c), from `tile`, the descriptor of its start:
-// the rows are M or N and c the K offset of a K-major operand, or the rows are K and c the M or N
-// offset of an MN-major one (a range within one 64-column block either way). The offset, a
-// multiple of 16 bytes, is added to the start's address field (its low 14 bits, 16-byte units):
-// every shared address fits them, so nothing carries out, and the descriptor is not built again
-// per K step.
-__device__ __forceinline__ uint64_t desc_at(uint64_t tile, int r, int c) {
-  const uint32_t step = static_cast<uint32_t>(((c >> 6) * TOKENS + r) * 128 + (c & 63) * 2) >> 4;
-  return (tile & 0xffffffff00000000ull) | (static_cast<uint32_t>(tile) + step);
-}
-
 // One warpgroup's D (+)= A·B over K = 16·KS, A and B from the tiles of descriptors a and b at
 // (ra, ca) and (rb, cb), with the K offset 16·ks added to the K-major operand's column or the
 // MN-major operand's row.
@@ -672,8 +660,9 @@ __device__ __forceinline__ void product(float (&acc)[NJ][4], uint64_t a, int ra,
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     const int k = 16 * ks;
-    m2::WgmmaSS<NJ>::template run<TA, TB>(acc, desc_at(a, TA ? ra + k : ra, TA ? ca : ca + k),
-                                          desc_at(b, TB ? rb + k : rb, TB ? cb : cb + k), ks > 0);
+    m2::WgmmaSS<NJ>::template run<TA, TB>(
+        acc, m2::desc_at<TOKENS>(a, TA ? ra + k : ra, TA ? ca : ca + k),
+        m2::desc_at<TOKENS>(b, TB ? rb + k : rb, TB ? cb : cb + k), ks > 0);
   }
 }
 
