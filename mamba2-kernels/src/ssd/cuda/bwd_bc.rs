@@ -18,6 +18,9 @@ const IMAGE: Image = fatbin!("ssd_bwd_bc");
 /// Tokens per program (the kernel's `Q`): the state chunk it reads the states at.
 const CHUNK: usize = 128;
 
+/// Threads per program (the kernel's `THREADS`: two warpgroups).
+const THREADS: usize = 256;
+
 /// Shared memory of one program: B's and C's block, Σ, two slots of a head's x and dY ([128, 64]
 /// bf16 each; Σ two of them) and per-token sums, the states' blocks ([64, 64]: bf16 per slot, or
 /// one bf16 pair and f32 rows per slot), and 1024 bytes to align the swizzled tiles.
@@ -63,7 +66,7 @@ pub(super) fn launch_bwd_bc(
     }
     let n = p.dstate as usize;
     let programs = (p.seqlen as usize).div_ceil(CHUNK) * p.batch as usize * p.ngroups as usize;
-    let c = cfg(name, stream, [programs, 1, 1], [256, 1, 1], bytes)?;
+    let c = cfg(name, stream, [programs, 1, 1], [THREADS, 1, 1], bytes)?;
     let f = function(stream, IMAGE, &instances::bwd_bc(s, n))?;
     let args: [&dyn crate::cuda::Arg; 11] = [
         &q.x, &q.dy, &q.b, &q.c, &q.dt, &q.da, &q.states, &q.dstates, &db, &dc, p,
